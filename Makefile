@@ -5,7 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format clean stop
+.PHONY: setup run test lint format clean stop chromium
+
+# The dashboard's charting library (uPlot), pinned by its package-lock.json and copied into the
+# package's git-ignored static folder.
+DASH_VENDOR := packages/dashboard/src/nanotron_dashboard/static/vendor/uPlot.iife.min.js
 
 # A fresh virtual environment with the four packages editable and the dev tools.
 $(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml
@@ -16,9 +20,17 @@ $(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml
 		--group dev
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(DASH_VENDOR): packages/dashboard/frontend/package-lock.json
+	packages/dashboard/build_assets.sh
 
-test: setup
+# Debian's Chromium drives the browser tests through Playwright (never `playwright install`:
+# the machines are offline). Needs root, as on the development and CI machines.
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+setup: $(STAMP) $(DASH_VENDOR)
+
+test: setup chromium
 	$(PY) -m pytest
 
 lint: setup

@@ -1,1 +1,3 @@
-"""placeholder"""
+"""nanotron-dashboard: a live web dashboard for nanotron training runs (no torch needed)."""
+
+__version__ = "0.1.0"

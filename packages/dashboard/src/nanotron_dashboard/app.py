@@ -1,0 +1,89 @@
+"""The FastAPI application: database, writer, cache and hub wired together."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from . import api, ingest
+from .db import open_database
+from .errors import MissingAssetError
+from .hub import Hub
+from .queries import load_series
+from .security import TokenMiddleware
+from .series import SeriesCache
+from .writer import Writer
+
+VENDOR = Path(__file__).parent / "static" / "vendor"
+REQUIRED_ASSETS = ("uPlot.iife.min.js", "uPlot.min.css")
+
+
+@dataclass
+class Settings:
+    db: str
+    host: str = "127.0.0.1"
+    port: int = 8008
+    token: str | None = None
+    allow_launch: bool = False
+    stall_seconds: float = 120.0
+    cache_points: int = 20_000_000
+
+    @property
+    def public_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+
+def check_assets() -> None:
+    missing = [a for a in REQUIRED_ASSETS if not (VENDOR / a).is_file()]
+    if missing:
+        raise MissingAssetError(
+            f"the charting library is missing from {VENDOR} ({', '.join(missing)}): "
+            "run packages/dashboard/build_assets.sh (needs npm) to copy uPlot in"
+        )
+
+
+def create_app(settings: Settings) -> FastAPI:
+    check_assets()
+    engine = open_database(settings.db)
+    hub = Hub()
+
+    def loader(run_pk: int, name: str):  # noqa: ANN202
+        with engine.connect() as c:
+            return load_series(c, run_pk, name)
+
+    cache = SeriesCache(loader, settings.cache_points)
+    writer = Writer(engine, cache, hub.notify, watching=hub.watching)
+    writer.start()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import asyncio
+
+        hub.loop = asyncio.get_running_loop()
+        yield
+        writer.stop()
+        engine.dispose()
+
+    app = FastAPI(title="nanotron dashboard", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.cache = cache
+    app.state.writer = writer
+    app.state.hub = hub
+    app.state.csrf = secrets.token_urlsafe(32)
+    app.state.launch_dir = Path(str(settings.db) + ".launches")
+    app.include_router(ingest.router)
+    app.include_router(api.router)
+    api.error_handlers(app)
+    app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
+    if settings.token:
+        app.add_middleware(TokenMiddleware, token=settings.token)
+    return app

@@ -1,0 +1,154 @@
+"""The SQLite schema (SQLAlchemy Core), opened in WAL mode and versioned for later migrations."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from sqlalchemy import (
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    inspect,
+    text,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DatabaseError as SADatabaseError
+
+from .errors import DatabaseFileError
+
+SCHEMA_VERSION = 1
+
+metadata = MetaData()
+
+meta = Table("meta", metadata, Column("key", String, primary_key=True), Column("value", Text))
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("pk", Integer, primary_key=True, autoincrement=True),
+    Column("id", String, nullable=False, unique=True),  # chosen by the trainer
+    Column("project", String, nullable=False, default=""),
+    Column("name", String, nullable=False, default=""),
+    Column("status", String, nullable=False, default="running"),
+    Column("config", Text, nullable=False, default="{}"),  # JSON
+    Column("world_size", Integer),
+    Column("topology", Text, nullable=False, default="{}"),  # JSON
+    Column("host", String),
+    Column("command", Text, nullable=False, default="[]"),  # JSON list of argv
+    Column("cwd", String),
+    Column("checkpoints_path", String),
+    Column("started", Float),
+    Column("updated", Float),
+    Column("heartbeat", Float),
+    Column("finished", Float),
+    Column("error", Text),
+    Column("resumed_from_run", String),
+    Column("resumed_from_step", Integer),
+    Column("step", Integer),
+)
+
+# One row per (run, metric, step): a replayed point overwrites instead of duplicating.
+# value NULL stands for NaN (SQLite stores NaN as NULL); +-inf are stored as REAL.
+metrics = Table(
+    "metrics",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("name", String, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("value", Float),
+    Column("time", Float, nullable=False),
+    sqlite_with_rowid=False,
+)
+
+# The newest value of each metric of each run: the run list reads this, never `metrics`.
+latest = Table(
+    "latest",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("name", String, primary_key=True),
+    Column("step", Integer, nullable=False),
+    Column("value", Float),
+    sqlite_with_rowid=False,
+)
+
+checkpoints = Table(
+    "checkpoints",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_pk", Integer, nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("path", Text, nullable=False),
+    Column("consumed_tokens", Integer),
+    Column("topology", Text, nullable=False, default="{}"),
+    Column("size", Integer),
+    Column("complete", Integer, nullable=False, default=1),
+    Column("created", Float),
+    Column("source", String, nullable=False, default="message"),  # or "disk"
+    UniqueConstraint("run_pk", "step", name="uq_checkpoint_run_step"),
+)
+
+
+def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; WAL keeps it consistent
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def open_database(path: str | Path) -> Engine:
+    """Open (creating if new) the dashboard database; a foreign or corrupt file is an error."""
+    path = Path(path)
+    if path.exists() and path.is_dir():
+        raise DatabaseFileError(f"--db {path}: is a directory, not a database file")
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                raise DatabaseFileError(f"--db {path}: not an SQLite database file")
+    engine = create_engine(f"sqlite:///{path}", future=True)
+    event.listen(engine, "connect", _on_connect)
+    try:
+        _check_and_create(engine, path)
+    except SADatabaseError as e:
+        engine.dispose()
+        raise DatabaseFileError(f"--db {path}: unreadable database ({e.orig})") from None
+    return engine
+
+
+def _check_and_create(engine: Engine, path: Path) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("PRAGMA quick_check")).fetchall()
+        names = set(inspect(conn).get_table_names())
+        if names and "meta" not in names:
+            raise DatabaseFileError(
+                f"--db {path}: an SQLite file but not a nanotron dashboard database "
+                f"(tables: {', '.join(sorted(names))})"
+            )
+        if "meta" in names:
+            row = conn.execute(text("SELECT value FROM meta WHERE key='schema_version'")).first()
+            version = int(row[0]) if row else 0
+            if version > SCHEMA_VERSION:
+                raise DatabaseFileError(
+                    f"--db {path}: schema version {version} is newer than this release "
+                    f"supports ({SCHEMA_VERSION}); upgrade nanotron-dashboard"
+                )
+            if version < SCHEMA_VERSION:
+                migrate(conn, version)
+        metadata.create_all(conn)
+        conn.execute(
+            text("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', :v)"),
+            {"v": str(SCHEMA_VERSION)},
+        )
+
+
+def migrate(conn: object, from_version: int) -> None:
+    """Upgrade an older schema in place. Version 1 is the first: nothing to migrate yet."""
+    del conn, from_version

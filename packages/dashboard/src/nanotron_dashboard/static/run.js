@@ -1,0 +1,223 @@
+// The run page: downsampled series from the API, live points from /ws/runs/{id}.
+"use strict";
+(() => {
+  const runId = decodeURIComponent(location.pathname.split("/").pop());
+  const DEFAULT_ORDER = ["lm_loss", "grad_norm", "tokens_per_sec", "lr"];
+  const COLORS = ["#2b7de9", "#e9692b", "#2e9d4c", "#9b3fd1", "#d2333f", "#11949b"];
+  const MAX_POINTS = 2000;
+  const $ = (id) => document.getElementById(id);
+  const state = { run: null, session: null, charts: {}, data: {}, compare: [], started: null };
+  window.__nt = state;  // for debugging in the console and for the browser tests
+
+  const opt = () => ({ x: $("x-axis").value, smoothing: parseFloat($("smoothing").value), log: $("log-y").checked });
+
+  // Several runs (each its own x values) on one chart: merge the x values, null where absent.
+  function align(seriesList) {
+    const xs = Array.from(new Set(seriesList.flatMap((s) => s.x))).sort((a, b) => a - b);
+    const pos = new Map(xs.map((x, i) => [x, i]));
+    const cols = seriesList.map((s) => {
+      const col = new Array(xs.length).fill(null);
+      s.x.forEach((x, i) => { col[pos.get(x)] = s.y[i]; });
+      return col;
+    });
+    return [xs, ...cols];
+  }
+
+  function seriesFor(name) {
+    const out = [];
+    const o = opt();
+    for (const [i, rid] of [runId, ...state.compare].entries()) {
+      const s = (state.data[rid] || {})[name];
+      if (!s) continue;
+      const color = COLORS[i % COLORS.length];
+      const label = rid === runId ? (state.run.name || rid) : rid;
+      if (o.smoothing > 0 && s.smooth) {
+        out.push({ label: label + " (raw)", x: s.x, y: s.y, stroke: color + "40" });
+        out.push({ label, x: s.x, y: s.smooth, stroke: color });
+      } else out.push({ label, x: s.x, y: s.y, stroke: color });
+    }
+    return out;
+  }
+
+  // Compact tick labels: 1.2M tokens, 3e-4 learning rates.
+  function si(v) {
+    if (v === null || v === undefined) return "";
+    const a = Math.abs(v);
+    if (a === 0) return "0";
+    if (a >= 1e9) return +(v / 1e9).toPrecision(3) + "G";
+    if (a >= 1e6) return +(v / 1e6).toPrecision(3) + "M";
+    if (a >= 1e4) return +(v / 1e3).toPrecision(3) + "k";
+    if (a < 1e-2) return v.toExponential(1);
+    return String(+v.toPrecision(3));
+  }
+
+  function positiveOnly(col) { return col.map((v) => (v !== null && v > 0 ? v : null)); }
+
+  function draw(name) {
+    const list = seriesFor(name);
+    if (!list.length) return;
+    const o = opt();
+    let data = align(list);
+    if (o.log) data = [data[0], ...data.slice(1).map(positiveOnly)];
+    let entry = state.charts[name];
+    const key = list.map((s) => s.label).join("|") + o.log + o.x;
+    if (entry && entry.key === key) { entry.plot.setData(data); }
+    else {
+      if (entry) entry.plot.destroy();
+      const box = entry ? entry.box : makeBox(name);
+      const plot = new uPlot({
+        width: Math.max(box.clientWidth - 16, 300), height: 240,
+        scales: { x: { time: false }, y: { distr: o.log ? 3 : 1 } },
+        axes: [{ label: o.x, values: (u, vals) => vals.map(si) }, { values: (u, vals) => vals.map(si), size: 60 }],
+        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: true, width: 1.5 }))],
+      }, data, box.querySelector(".plot"));
+      entry = state.charts[name] = { plot, box, key };
+    }
+    const bad = ((state.data[runId] || {})[name] || {}).nonfinite || [];
+    entry.box.querySelector(".nonfinite").textContent = bad.length
+      ? "non-finite values: " + bad.slice(0, 20).map((p) => "step " + p.step + " = " + p.value).join(", ")
+      : "";
+  }
+
+  function makeBox(name) {
+    const box = NT.el("div", { class: "chart", "data-metric": name }, NT.el("h3", {}, name),
+      NT.el("div", { class: "plot" }), NT.el("div", { class: "nonfinite" }));
+    $("charts").append(box);
+    return box;
+  }
+
+  async function fetchRun(rid) {
+    const o = opt();
+    const q = new URLSearchParams({ max_points: MAX_POINTS, x: o.x, smoothing: o.smoothing });
+    const res = await NT.json("/api/runs/" + encodeURIComponent(rid) + "/metrics?" + q);
+    state.data[rid] = res.series;
+  }
+
+  function metricNames() {
+    const names = Object.keys(state.data[runId] || {}).filter((n) => n !== "consumed_tokens");
+    return names.sort((a, b) => {
+      const ia = DEFAULT_ORDER.indexOf(a), ib = DEFAULT_ORDER.indexOf(b);
+      return (ia < 0 ? 99 : ia) - (ib < 0 ? 99 : ib) || a.localeCompare(b);
+    });
+  }
+
+  async function reload() {
+    try {
+      await Promise.all([runId, ...state.compare].map(fetchRun));
+      $("error").textContent = "";
+    } catch (e) { $("error").textContent = String(e.message || e); return; }
+    metricNames().forEach(draw);
+  }
+
+  // Live points: appended to the current run's series (EMA continued exactly as the server's).
+  function onPoints(msg) {
+    if (msg.type === "run_changed") { loadRun(); return; }
+    if (msg.type !== "points") return;
+    const o = opt();
+    const series = state.data[runId] || (state.data[runId] = {});
+    const tokensAt = new Map((msg.points.consumed_tokens || []).map((p) => [p[0], p[1]]));
+    let needRefetch = false;
+    for (const [name, pts] of Object.entries(msg.points)) {
+      let s = series[name];
+      if (!s) { needRefetch = true; continue; }
+      for (const [step, value, t] of pts) {
+        if (s.step.length && step <= s.step[s.step.length - 1]) { needRefetch = true; continue; }
+        const x = o.x === "step" ? step : o.x === "time" ? t - (state.started ?? t) : tokensAt.get(step);
+        if (x === undefined) continue;
+        const y = typeof value === "number" ? value : null;
+        s.x.push(x); s.step.push(step); s.y.push(y); s.count += 1;
+        if (y === null) s.nonfinite.push({ x, step, value });
+        if (s.smooth) {
+          const a = o.smoothing, n = s.count - 1, prev = s.smooth[s.smooth.length - 1];
+          const raw = prev === null || prev === undefined ? 0 : prev * (1 - Math.pow(a, n));
+          const v = y === null ? (s._last ?? 0) : y;
+          s.smooth.push((a * raw + (1 - a) * v) / (1 - Math.pow(a, n + 1)));
+        }
+        if (y !== null) s._last = y;
+      }
+      if (s.x.length > 3 * MAX_POINTS) needRefetch = true;
+    }
+    if (needRefetch) scheduleReload(); else scheduleDraw();
+  }
+  const scheduleDraw = NT.throttle(() => metricNames().forEach(draw), 100);
+  const scheduleReload = NT.throttle(reload, 1000);
+
+  async function loadRun() {
+    const run = await NT.json("/api/runs/" + encodeURIComponent(runId));
+    state.run = run;
+    state.started = run.started;
+    document.title = "nanotron: " + (run.name || run.id);
+    $("run-name").textContent = run.name || run.id;
+    $("run-status").replaceChildren(NT.badge(run.status));
+    $("run-project").textContent = run.project;
+    $("run-parent").replaceChildren(run.resumed_from
+      ? NT.el("a", { href: "/runs/" + encodeURIComponent(run.resumed_from.run_id), id: "parent-link" },
+        "resumed from " + run.resumed_from.run_id + " @ " + run.resumed_from.step) : "");
+    $("run-error").textContent = run.error || "";
+    $("run-children").replaceChildren(...run.resumed_runs.map((c) =>
+      NT.el("a", { href: "/runs/" + encodeURIComponent(c), class: "child-run" }, "resumed as " + c + " ")));
+    $("config").textContent = JSON.stringify(run.config, null, 2);
+    $("csv").href = "/api/runs/" + encodeURIComponent(runId) + "/metrics.csv";
+    loadCheckpoints();
+  }
+
+  async function copy(text, button) {
+    try { await navigator.clipboard.writeText(text); }
+    catch (e) {  // no clipboard permission (plain http on another host): select-and-copy
+      const ta = NT.el("textarea", {}, text); document.body.append(ta); ta.select();
+      document.execCommand("copy"); ta.remove();
+    }
+    button.textContent = "copied";
+  }
+
+  async function resume(ck, button) {
+    button.disabled = true;
+    try {
+      const res = await NT.json("/api/checkpoints/" + ck.id + "/resume", {
+        method: "POST", headers: { "X-CSRF-Token": state.session.csrf } });
+      $("launch-result").textContent = "started pid " + res.pid + " in " + res.cwd + " (log: " + res.log + ")";
+    } catch (e) { $("launch-result").textContent = "resume failed: " + (e.message || e); }
+    button.disabled = false;
+  }
+
+  async function loadCheckpoints() {
+    const cks = await NT.json("/api/runs/" + encodeURIComponent(runId) + "/checkpoints");
+    $("checkpoints").querySelector("tbody").replaceChildren(...cks.map((ck) => {
+      const copyBtn = NT.el("button", { class: "copy" }, "copy");
+      copyBtn.addEventListener("click", () => copy(ck.resume_shell || ck.resume_command || "", copyBtn));
+      const actions = NT.el("td", {}, copyBtn);
+      if (state.session && state.session.allow_launch) {
+        const b = NT.el("button", { class: "resume" }, "Resume");
+        b.addEventListener("click", () => resume(ck, b));
+        actions.append(" ", b);
+      }
+      const size = ck.size == null ? "" : (ck.size / 1e6).toFixed(1) + " MB";
+      return NT.el("tr", { "data-step": ck.step }, NT.el("td", {}, ck.step), NT.el("td", {}, ck.consumed_tokens ?? ""),
+        NT.el("td", {}, size), NT.el("td", {}, ck.complete ? "yes" : "no"),
+        NT.el("td", {}, NT.el("code", { class: "cmd" }, ck.resume_command || "(no command recorded)")), actions);
+    }));
+  }
+
+  async function loadCompareChoices() {
+    const runs = await NT.json("/api/runs");
+    $("compare").replaceChildren(...runs.filter((r) => r.id !== runId).map((r) =>
+      NT.el("option", { value: r.id }, (r.project ? r.project + "/" : "") + (r.name || r.id))));
+  }
+
+  $("x-axis").addEventListener("change", reload);
+  $("log-y").addEventListener("change", () => metricNames().forEach(draw));
+  $("smoothing").addEventListener("change", reload);
+  $("smoothing").addEventListener("input", () => { $("smoothing-value").textContent = $("smoothing").value; });
+  $("compare").addEventListener("change", () => {
+    state.compare = Array.from($("compare").selectedOptions).map((o) => o.value);
+    reload();
+  });
+
+  (async () => {
+    state.session = await NT.json("/api/session");
+    try { await loadRun(); } catch (e) { $("error").textContent = String(e.message || e); return; }
+    await reload();
+    loadCompareChoices();
+    NT.live("/ws/runs/" + encodeURIComponent(runId), onPoints, scheduleReload);
+  })();
+})();

@@ -1,0 +1,366 @@
+"""The trainer's side of the dashboard: a background sender that training never waits on.
+
+Messages go into an in-memory queue; a daemon thread sends them over the dashboard's
+websocket (`/ws/ingest`). If the dashboard is down, slow, restarted or the URL is wrong, the
+client logs one warning and keeps retrying; metrics that did not fit in the queue or were
+lost in flight are replayed on reconnect from the metrics file (JSON lines, one record per
+logged step), which the dashboard stores idempotently (a (run, metric, step) key).
+No torch import: this module runs on any rank's CPU side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+log = logging.getLogger("nanotron_train.dashboard")
+
+_CONTROL = "control"
+_METRICS = "metrics"
+
+
+def ingest_url(url: str) -> str:
+    """`http://host:port[/prefix]` as the dashboard prints it -> `ws://host:port[/prefix]/ws/ingest`."""
+    parts = urlsplit(url.strip())
+    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ValueError(f"dashboard url {url!r}: expected http://HOST:PORT")
+    path = parts.path.rstrip("/")
+    return urlunsplit((scheme, parts.netloc, path + "/ws/ingest", "", ""))
+
+
+def numeric_values(record: dict[str, Any]) -> dict[str, float]:
+    """The metric values of a metrics-file record: every number except the step itself."""
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        if k == "step" or isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            out[k] = float(v)
+    return out
+
+
+def _jsonable(v: float) -> float | str:
+    return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+
+
+class DashboardClient:
+    def __init__(
+        self,
+        url: str,
+        *,
+        run_id: str,
+        token: str | None = None,
+        metrics_file: str | None = None,
+        queue_size: int = 10000,
+        heartbeat_s: float = 10.0,
+    ) -> None:
+        self.url = url
+        self.ws_url = ingest_url(url)
+        self.run_id = run_id
+        self.token = token
+        self.metrics_file = metrics_file
+        self.queue_size = queue_size
+        self.heartbeat_s = heartbeat_s
+        self._items: deque[tuple[str, dict[str, Any]]] = deque()
+        self._n_metrics = 0  # metrics items in _items; controls are never dropped
+        self._cv = threading.Condition()
+        self._overflow = False  # metrics were dropped: replay from the file before going on
+        self._history: deque[dict[str, Any]] | None = (
+            None if metrics_file else deque(maxlen=max(queue_size, 1000))
+        )
+        self._start_msg: dict[str, Any] | None = None
+        self._max_sent = -1
+        self._closing = False
+        self._deadline = 0.0
+        self._warned = False
+        self._ws: Any = None
+        self.sent = 0  # messages sent (for tests and the final log line)
+        self._thread = threading.Thread(target=self._loop, name="dashboard-client", daemon=True)
+        self._thread.start()
+
+    # --- called by the trainer (never blocks) -------------------------------------------
+    def run_start(
+        self,
+        *,
+        project: str,
+        name: str,
+        config: dict,
+        world_size: int,
+        topology: dict,
+        command: list[str],
+        cwd: str,
+        checkpoints_path: str | None,
+        resumed_from: dict | None = None,
+    ) -> None:
+        msg = {
+            "type": "run_start",
+            "run_id": self.run_id,
+            "project": project,
+            "name": name,
+            "config": json.loads(json.dumps(config, default=str)),
+            "world_size": world_size,
+            "topology": topology,
+            "host": socket.gethostname(),
+            "command": list(command),
+            "cwd": cwd,
+            "checkpoints_path": checkpoints_path,
+            "resumed_from": resumed_from,
+            "time": time.time(),
+        }
+        with self._cv:
+            self._start_msg = msg  # re-sent on every (re)connect; its reply drives the replay
+            self._items.append((_CONTROL, msg))
+            self._cv.notify()
+
+    def metrics(self, step: int, values: dict) -> None:
+        rec = {"step": int(step), **numeric_values(values)}
+        with self._cv:
+            if self._history is not None:
+                self._history.append(rec)
+            if self._n_metrics >= self.queue_size:
+                self._overflow = True  # the file (or history) has it; replayed later
+                return
+            self._items.append((_METRICS, rec))
+            self._n_metrics += 1
+            self._cv.notify()
+
+    def checkpoint(self, info: dict) -> None:
+        self._control({"type": "checkpoint", "run_id": self.run_id, **info})
+
+    def run_end(self, status: str, error: str | None = None) -> None:
+        self._control({"type": "run_end", "run_id": self.run_id, "status": status, "error": error})
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to `timeout` seconds), then stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._deadline = time.monotonic() + timeout
+            self._cv.notify()
+        self._thread.join(timeout + 1.0)
+
+    def _control(self, msg: dict[str, Any]) -> None:
+        with self._cv:
+            self._items.append((_CONTROL, json.loads(json.dumps(msg, default=str))))
+            self._cv.notify()
+
+    # --- the sender thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        backoff = 0.5
+        last_send = 0.0
+        while True:
+            with self._cv:
+                if self._closing and (not self._items or time.monotonic() > self._deadline):
+                    break
+            if self._ws is None:
+                if not self._connect():
+                    if self._closing:
+                        break  # dashboard unreachable at close: nothing more to do
+                    self._sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff = 0.5
+            with self._cv:
+                if not self._items and not self._closing:
+                    self._cv.wait(max(0.05, self.heartbeat_s - (time.monotonic() - last_send)))
+                item = self._items[0] if self._items else None
+                overflow = self._overflow
+            try:
+                if overflow:
+                    with self._cv:
+                        self._overflow = False
+                    self._replay()
+                if item is not None:
+                    self._send_item(item)
+                    with self._cv:
+                        if self._items and self._items[0] is item:
+                            self._items.popleft()
+                            if item[0] == _METRICS:
+                                self._n_metrics -= 1
+                    last_send = time.monotonic()
+                elif time.monotonic() - last_send >= self.heartbeat_s and self._start_msg:
+                    self._send({"type": "heartbeat", "run_id": self.run_id, "time": time.time()})
+                    last_send = time.monotonic()
+                self._drain_replies()
+            except Exception as e:  # connection lost: reconnect, then replay what was missed
+                self._disconnect(e)
+        self._sync()
+        self._disconnect(None)
+
+    def _sync(self) -> None:
+        """At close: wait (briefly) until the dashboard has committed everything sent."""
+        if self._ws is None or self._start_msg is None:
+            return
+        try:
+            self._send({"type": "heartbeat", "run_id": self.run_id, "time": time.time(), "ack": 1})
+            deadline = time.monotonic() + max(0.1, self._deadline - time.monotonic())
+            while time.monotonic() < deadline:
+                reply = json.loads(self._ws.recv(timeout=max(0.05, deadline - time.monotonic())))
+                if reply.get("type") == "ack":
+                    return
+                self._log_reply(reply)
+        except Exception:
+            return
+
+    def _sleep(self, s: float) -> None:
+        with self._cv:
+            if not self._closing:
+                self._cv.wait(s)
+
+    def _connect(self) -> bool:
+        from websockets.sync.client import connect
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        kwargs = dict(
+            additional_headers=headers,
+            open_timeout=3,
+            close_timeout=1,
+            compression=None,
+            max_size=2**22,
+        )
+        try:
+            try:  # websockets >= 16 wants `legacy=True` for a connection kept outside a `with`
+                ws = connect(self.ws_url, legacy=True, **kwargs)
+            except TypeError:
+                ws = connect(self.ws_url, **kwargs)
+        except Exception as e:
+            self._warn(f"dashboard at {self.url} unreachable ({e}); training continues, retrying")
+            return False
+        self._ws = ws
+        try:
+            if self._start_msg is not None:
+                self._handshake()
+        except Exception as e:
+            self._disconnect(e)
+            return False
+        if self._warned:
+            log.info("dashboard at %s reachable again; replayed missed points", self.url)
+        return True
+
+    def _handshake(self) -> None:
+        """Send run_start, learn the last step the dashboard holds, replay everything after it."""
+        assert self._start_msg is not None
+        self._send(self._start_msg)
+        deadline = time.monotonic() + 10
+        while True:
+            reply = json.loads(self._ws.recv(timeout=max(0.1, deadline - time.monotonic())))
+            if reply.get("type") == "run_start":
+                break
+            self._log_reply(reply)
+        last = reply.get("last_step")
+        self._max_sent = -1 if last is None else int(last)
+        with self._cv:  # a queued run_start was just sent
+            if self._items and self._items[0][1] is self._start_msg:
+                self._items.popleft()
+        self._replay()
+
+    def _replay(self) -> None:
+        for rec in self._records_after(self._max_sent):
+            self._send_metrics(rec)
+
+    def _records_after(self, step: int) -> list[dict[str, Any]]:
+        if self._history is not None:
+            with self._cv:
+                return [r for r in self._history if r["step"] > step]
+        out: list[dict[str, Any]] = []
+        try:
+            with open(self.metrics_file) as f:  # type: ignore[arg-type]
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue  # a line being written right now
+                    if (
+                        isinstance(rec, dict)
+                        and isinstance(rec.get("step"), int)
+                        and rec["step"] > step
+                    ):
+                        out.append({"step": rec["step"], **numeric_values(rec)})
+        except OSError:
+            pass
+        return out
+
+    def _send_item(self, item: tuple[str, dict[str, Any]]) -> None:
+        kind, msg = item
+        if kind == _METRICS:
+            if msg["step"] > self._max_sent:
+                self._send_metrics(msg)
+        elif msg is not self._start_msg or self._max_sent < 0:
+            self._send(msg)
+
+    def _send_metrics(self, rec: dict[str, Any]) -> None:
+        values = {k: _jsonable(v) for k, v in rec.items() if k != "step"}
+        if values:
+            self._send(
+                {
+                    "type": "metrics",
+                    "run_id": self.run_id,
+                    "step": rec["step"],
+                    "values": values,
+                    "time": time.time(),
+                }
+            )
+        self._max_sent = max(self._max_sent, rec["step"])
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self._ws.send(json.dumps(msg))
+        self.sent += 1
+
+    def _drain_replies(self) -> None:
+        while True:
+            try:
+                raw = self._ws.recv(timeout=0)
+            except TimeoutError:
+                return
+            self._log_reply(json.loads(raw))
+
+    def _log_reply(self, reply: dict[str, Any]) -> None:
+        if reply.get("ok") is False:
+            log.warning("dashboard refused a message: %s", reply.get("error"))
+
+    def _disconnect(self, err: Exception | None) -> None:
+        if err is not None:
+            self._warn(
+                f"lost the dashboard at {self.url} ({err}); training continues, reconnecting"
+            )
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            with contextlib.suppress(Exception):
+                ws.close()
+
+    def _warn(self, text: str) -> None:
+        if not self._warned:  # one warning, not one per step
+            self._warned = True
+            log.warning(text)
+
+
+def client_from_config(
+    dashboard_url: str | None,
+    *,
+    run_id: str,
+    token: str | None = None,
+    metrics_file: str | None = None,
+    **kwargs: Any,
+) -> DashboardClient | None:
+    """The client for `logging.dashboard_url`; NANOTRON_DASHBOARD_URL / _TOKEN override it.
+
+    None when no URL is set. A malformed URL is one warning and no client: training goes on.
+    """
+    url = os.environ.get("NANOTRON_DASHBOARD_URL") or dashboard_url
+    token = os.environ.get("NANOTRON_DASHBOARD_TOKEN") or token
+    if not url:
+        return None
+    try:
+        return DashboardClient(url, run_id=run_id, token=token, metrics_file=metrics_file, **kwargs)
+    except ValueError as e:
+        log.warning("%s; not streaming to the dashboard", e)
+        return None

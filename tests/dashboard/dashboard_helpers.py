@@ -1,0 +1,90 @@
+"""Starting a real dashboard (uvicorn in a child process) on a free port, for the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Dashboard:
+    url: str
+    db: Path
+    port: int
+    proc: subprocess.Popen
+    token: str | None = None
+
+    def get(self, path: str) -> object:
+        req = urllib.request.Request(self.url + path)
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: object) -> object:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST")
+        req.add_header("content-type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def kill(self) -> None:
+        """SIGKILL: no graceful flush, like a crashed or OOM-killed dashboard."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_dashboard(
+    db: Path, *extra: str, port: int | None = None, token: str | None = None
+) -> Dashboard:
+    port = port or free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "nanotron_dashboard",
+        "--db",
+        str(db),
+        "--port",
+        str(port),
+        *extra,
+    ]
+    if token:
+        args += ["--token", token]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    d = Dashboard(f"http://127.0.0.1:{port}", db, port, proc, token)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"dashboard exited: {proc.stdout.read().decode()}")
+        try:
+            d.get("/api/session")
+            return d
+        except OSError:
+            time.sleep(0.1)
+    d.kill()
+    raise RuntimeError("dashboard did not start in 30 s")

@@ -1,0 +1,160 @@
+"""The pages in headless Chromium (Debian's package, driven by Playwright)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("NANOTRON_CHROMIUM", "/usr/bin/chromium")
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium package")
+        pytest.skip(f"Chromium not found at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+def seed(d, run_id: str, tmp: Path, steps: int = 300) -> None:
+    d.post(
+        "/api/ingest",
+        {
+            "type": "run_start",
+            "run_id": run_id,
+            "project": "proj",
+            "name": "<img src=x onerror=alert(1)>",
+            "config": {"note": "<script>x</script>"},
+            "command": [sys.executable, "-c", "print(1)"],
+            "cwd": str(tmp),
+        },
+    )
+    d.post(
+        "/api/ingest",
+        [
+            {
+                "type": "metrics",
+                "run_id": run_id,
+                "step": s,
+                "values": {
+                    "lm_loss": 10.0 / s,
+                    "grad_norm": 1.0 + s % 5,
+                    "lr": 1e-3,
+                    "tokens_per_sec": 5000.0 + s,
+                },
+            }
+            for s in range(1, steps + 1)
+        ],
+    )
+    d.post(
+        "/api/ingest",
+        {
+            "type": "checkpoint",
+            "run_id": run_id,
+            "step": steps,
+            "path": str(tmp / "ck" / str(steps)),
+            "consumed_tokens": 1234,
+        },
+    )
+
+
+def test_run_list_and_run_page(browser, live_dashboard, tmp_path):
+    d = live_dashboard
+    seed(d, "br-1", tmp_path)
+    ctx = browser.new_context(permissions=["clipboard-read", "clipboard-write"])
+    page = ctx.new_page()
+    dialogs = []
+    page.on("dialog", lambda dlg: (dialogs.append(dlg.message), dlg.dismiss()))
+    page.goto(d.url + "/")
+    row = page.locator('tr[data-run-id="br-1"]')
+    row.wait_for(timeout=10_000)
+    assert row.locator("td").nth(2).inner_text() == "<img src=x onerror=alert(1)>"  # shown as text
+    assert row.locator(".badge").inner_text() == "running"
+    assert row.locator("td").nth(4).inner_text() == "0.0333"  # last loss 10/300
+    # live: a new run appears in the list without reloading
+    d.post(
+        "/api/ingest", {"type": "run_start", "run_id": "br-new", "project": "proj", "name": "fresh"}
+    )
+    page.locator('tr[data-run-id="br-new"]').wait_for(timeout=5_000)
+
+    row.locator("a").first.click()
+    page.wait_for_url("**/runs/br-1")
+    chart = page.locator('.chart[data-metric="lm_loss"] canvas')
+    chart.wait_for(timeout=10_000)
+    for metric in ("lm_loss", "grad_norm", "tokens_per_sec", "lr"):
+        assert page.locator(f'.chart[data-metric="{metric}"] canvas').count() == 1
+    drawn = page.evaluate(
+        """() => { const c = document.querySelector('.chart[data-metric="lm_loss"] canvas');
+                   const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                   let n = 0; for (let i = 3; i < px.length; i += 4) if (px[i] > 0) n++; return n; }"""
+    )
+    assert drawn > 200, drawn
+    assert "<script>x</script>" in page.locator("#config").inner_text()
+
+    # a new point arrives live (x=step) and appears in the chart's data
+    d.post(
+        "/api/ingest",
+        {"type": "metrics", "run_id": "br-1", "step": 301, "values": {"lm_loss": 0.01234}},
+    )
+    page.wait_for_function(
+        "() => { const x = window.__nt.charts.lm_loss.plot.data[0]; return x[x.length - 1] === 301; }",
+        timeout=5_000,
+    )
+
+    # copy the resume command
+    ck_row = page.locator('#checkpoints tr[data-step="300"]')
+    ck_row.wait_for(timeout=5_000)
+    ck_row.locator("button.copy").click()
+    page.wait_for_function("() => document.querySelector('button.copy').textContent === 'copied'")
+    copied = page.evaluate("() => navigator.clipboard.readText()")
+    assert copied.startswith(f"cd {tmp_path} && ") and copied.endswith(
+        f"--resume {tmp_path}/ck/300"
+    )
+
+    # resume (the shared dashboard runs with --allow-launch)
+    ck_row.locator("button.resume").click()
+    page.wait_for_function(
+        "() => document.querySelector('#launch-result').textContent.startsWith('started pid')"
+    )
+    assert not dialogs
+    ctx.close()
+
+
+def test_page_stays_fluid_with_100k_steps(browser, live_dashboard):
+    d = live_dashboard
+    d.post("/api/ingest", {"type": "run_start", "run_id": "big", "name": "big"})
+    n = 100_000
+    for start in range(0, n, 5000):
+        d.post(
+            "/api/ingest",
+            [
+                {
+                    "type": "metrics",
+                    "run_id": "big",
+                    "step": s,
+                    "values": {"lm_loss": 1.0 + 1.0 / (s + 1)},
+                }
+                for s in range(start, start + 5000)
+            ],
+        )
+    page = browser.new_page()
+    t0 = time.perf_counter()
+    page.goto(d.url + "/runs/big")
+    page.locator('.chart[data-metric="lm_loss"] canvas').wait_for(timeout=20_000)
+    elapsed = time.perf_counter() - t0
+    points = page.evaluate("() => window.__nt.charts.lm_loss.plot.data[0].length")
+    assert points <= 2000, points  # downsampled: the browser never holds the 100k points
+    assert elapsed < 10, elapsed
+    page.close()
