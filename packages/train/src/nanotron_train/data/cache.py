@@ -1,0 +1,74 @@
+"""Raw local datasets tokenized once into ``cache_dir/<hash>/``, by the builder rank only.
+
+The folder name hashes everything the tokens depend on: each input file's path, size and
+modification time, the text column and the tokenizer's sha256. The builder tokenizes (the
+write is atomic), the other ranks wait on the barrier and then open the finished folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from nanotron_train.data.errors import DataError
+from nanotron_train.data.nanoset import FORMAT_VERSION, METADATA_FILE
+from nanotron_train.data.readers import expand_inputs, source_files
+from nanotron_train.data.tokenize import tokenize_to_nanoset
+from nanotron_train.data.tokenizer import file_sha256, load_tokenizer
+
+WAIT_TIMEOUT_S = 6 * 3600
+
+
+def cache_key(inputs: list[str] | str, text_column: str, tokenizer_file: str) -> str:
+    parts = []
+    for src in expand_inputs(inputs):
+        for f in source_files(src):
+            st = f.stat()
+            parts.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    blob = json.dumps(
+        {
+            "format_version": FORMAT_VERSION,
+            "inputs": parts,
+            "text_column": text_column,
+            "tokenizer_sha256": file_sha256(tokenizer_file),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cached_nanoset(
+    inputs: list[str] | str,
+    *,
+    tokenizer_path: str | None,
+    cache_dir: str | os.PathLike,
+    text_column: str = "text",
+    is_builder: bool = True,
+    barrier: Callable[[], None] | None = None,
+    num_workers: int | None = None,
+) -> Path:
+    """The Nanoset folder for a raw local dataset, building it on first use."""
+    if tokenizer_path is None:
+        raise DataError(
+            f"hf_dataset_or_datasets {inputs!r}: tokenizer.tokenizer_name_or_path is needed to "
+            "tokenize it"
+        )
+    tok = load_tokenizer(tokenizer_path)
+    folder = Path(cache_dir) / cache_key(inputs, text_column, tok.path)
+    if is_builder and not (folder / METADATA_FILE).is_file():
+        tokenize_to_nanoset(
+            inputs, tok.path, folder, text_column=text_column, num_workers=num_workers
+        )
+    if barrier is not None:
+        barrier()
+    elif not is_builder:  # no barrier given: poll for the builder's atomic rename
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        while not (folder / METADATA_FILE).is_file():
+            if time.monotonic() > deadline:
+                raise DataError(f"{folder}: timed out waiting for the builder rank")
+            time.sleep(1.0)
+    return folder
