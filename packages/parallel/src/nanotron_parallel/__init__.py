@@ -1,1 +1,62 @@
-"""placeholder"""
+"""nanotron_parallel: process groups and tensor-parallel primitives for 3D-parallel training.
+
+``testing`` (the multi-process pytest helper) is not imported here; import it explicitly.
+"""
+
+from nanotron_parallel.context import (
+    ParallelConfigError,
+    ParallelContext,
+    grid_coords,
+    group_rank_lists,
+    rank_grid,
+    validate_degrees,
+)
+from nanotron_parallel.sharding import (
+    ParamMeta,
+    gather_full,
+    get_param_meta,
+    set_param_meta,
+    shard_tensor,
+    unshard_tensor,
+)
+from nanotron_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLinearMode,
+    VocabParallelEmbedding,
+    all_gather_to_tp,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_from_tp,
+    scatter_to_tp,
+    vocab_parallel_cross_entropy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelConfigError",
+    "ParallelContext",
+    "ParamMeta",
+    "RowParallelLinear",
+    "TensorParallelLinearMode",
+    "VocabParallelEmbedding",
+    "all_gather_to_tp",
+    "copy_to_tp",
+    "gather_from_tp",
+    "gather_full",
+    "get_param_meta",
+    "grid_coords",
+    "group_rank_lists",
+    "rank_grid",
+    "reduce_from_tp",
+    "reduce_scatter_from_tp",
+    "scatter_to_tp",
+    "set_param_meta",
+    "shard_tensor",
+    "unshard_tensor",
+    "validate_degrees",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,232 @@
+"""Pipeline schedules: all-forward-all-backward (AFAB) and one-forward-one-backward (1F1B).
+
+A stage is a module called as `stage(x, batch)`: `x` is the activation received from the
+previous stage (None on the first stage) and `batch` the micro-batch dict; the last stage
+returns the scalar mean loss of its micro-batch. Each micro-batch loss is divided by the
+number of micro-batches m before its backward, so one step's gradients equal those of the mean
+loss over the m micro-batches. With pp = 1 both schedules are plain gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanotron_parallel.pipeline.p2p import StageComm
+
+if TYPE_CHECKING:
+    from nanotron_parallel.context import ParallelContext
+
+MicroBatch = dict[str, Any]
+
+
+class PipelineScheduleError(ValueError):
+    """A schedule called with arguments it cannot run (unknown engine, no micro-batches)."""
+
+
+@dataclass
+class PipelineStats:
+    """What one step kept alive on this stage, measured, not estimated."""
+
+    peak_live_micro_batches: int = 0  # forwarded, backward not yet done
+    peak_saved_activation_bytes: int = 0  # tensors autograd saved for backward, parameters excluded
+
+
+@dataclass
+class PipelineStepResult:
+    """`loss` is the mean micro-batch loss on the last stage and None on the other stages
+    (see `loss_on_all_pp_ranks` to share it)."""
+
+    loss: float | None
+    stats: PipelineStats = field(default_factory=PipelineStats)
+
+
+class _ActivationTracker:
+    """Counts live micro-batches and the bytes autograd saves for them (saved_tensors_hooks)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.stats = PipelineStats()
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        self._bytes_of: dict[int, int] = {}
+        self._live_bytes = 0
+
+    def forward(
+        self, stage: nn.Module, x: torch.Tensor | None, batch: MicroBatch, i: int
+    ) -> torch.Tensor:
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._param_ptrs and ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = stage(x, batch)
+        self._bytes_of[i] = total
+        self._live_bytes += total
+        s = self.stats
+        s.peak_live_micro_batches = max(s.peak_live_micro_batches, len(self._bytes_of))
+        s.peak_saved_activation_bytes = max(s.peak_saved_activation_bytes, self._live_bytes)
+        return y
+
+    def backward_done(self, i: int) -> None:
+        self._live_bytes -= self._bytes_of.pop(i)
+
+
+@dataclass
+class _StageRun:
+    """The per-step state shared by both schedules: forward and backward of one micro-batch."""
+
+    stage: nn.Module
+    micro_batches: Sequence[MicroBatch]
+    comm: StageComm
+    is_last: bool
+    on_last_backward: Callable[[], None] | None
+    tracker: _ActivationTracker
+    inputs: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    loss_sum: torch.Tensor | None = None  # summed on the device: no host sync per micro-batch
+    n_backward: int = 0
+
+    def forward(self, i: int, x: torch.Tensor | None) -> torch.Tensor:
+        y = self.tracker.forward(self.stage, x, self.micro_batches[i], i)
+        if self.is_last:
+            loss = y.detach().double()
+            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+            y = y / len(self.micro_batches)  # gradient of the mean loss over micro-batches
+        self.inputs[i], self.outputs[i] = x, y
+        return y
+
+    def backward(self, i: int, grad_y: torch.Tensor | None) -> torch.Tensor | None:
+        x, y = self.inputs.pop(i), self.outputs.pop(i)
+        self.n_backward += 1
+        if self.n_backward == len(self.micro_batches) and self.on_last_backward is not None:
+            self.on_last_backward()
+        torch.autograd.backward(y, grad_tensors=grad_y)
+        self.tracker.backward_done(i)
+        if x is None or not x.requires_grad:
+            return None
+        # An input this stage does not use still owes the previous stage a gradient.
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+
+def _start(
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    on_last_backward: Callable[[], None] | None,
+) -> _StageRun:
+    if len(micro_batches) == 0:
+        raise PipelineScheduleError("a pipeline step needs at least one micro-batch, got 0")
+    comm = StageComm.from_context(pc)
+    tracker = _ActivationTracker(stage)
+    return _StageRun(stage, micro_batches, comm, pc.is_last_stage, on_last_backward, tracker)
+
+
+def _finish(run: _StageRun) -> PipelineStepResult:
+    loss = None
+    if run.is_last and run.loss_sum is not None:
+        loss = float(run.loss_sum) / len(run.micro_batches)
+    return PipelineStepResult(loss, run.tracker.stats)
+
+
+def train_step_afab(
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    *,
+    on_last_backward: Callable[[], None] | None = None,
+) -> PipelineStepResult:
+    """All forwards, then all backwards: simple, but every micro-batch's activations stay
+    alive until the backward phase starts (m per stage)."""
+    run = _start(stage, micro_batches, pc, on_last_backward)
+    m = len(micro_batches)
+    for i in range(m):
+        x = run.comm.recv_forward()
+        run.comm.send_forward(run.forward(i, x))
+    for i in range(m):
+        grad_y = run.comm.recv_backward()
+        run.comm.send_backward(run.backward(i, grad_y))
+    return _finish(run)
+
+
+def train_step_1f1b(
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    *,
+    on_last_backward: Callable[[], None] | None = None,
+) -> PipelineStepResult:
+    """One forward, one backward: after a warm-up of pp - rank - 1 forwards every forward is
+    followed by a backward, so at most pp - rank micro-batches are alive on this stage.
+
+    Neighbours always make mirrored calls, so the paired exchanges cannot deadlock: with
+    W = min(pp - r - 1, m), stage r talks to r + 1 as W sends, m - W send-and-receives, W
+    receives, and stage r + 1 talks to r as W receives (its warm-up and the one before the
+    steady phase), m - W send-and-receives, W sends. This holds for every m, m < pp included
+    (the steady phase is then empty on the first stages).
+    """
+    run = _start(stage, micro_batches, pc, on_last_backward)
+    comm, m = run.comm, len(micro_batches)
+    warmup = min(pc.pp_size - pc.pp_rank - 1, m)
+    steady = m - warmup
+
+    for i in range(warmup):
+        x = comm.recv_forward()
+        comm.send_forward(run.forward(i, x))
+
+    x = comm.recv_forward() if steady > 0 else None
+    for k in range(steady):
+        fwd, bwd = warmup + k, k
+        grad_y = comm.send_forward_recv_backward(run.forward(fwd, x))
+        grad_x = run.backward(bwd, grad_y)
+        if k == steady - 1:
+            comm.send_backward(grad_x)
+        else:
+            x = comm.send_backward_recv_forward(grad_x)
+
+    for bwd in range(steady, m):
+        grad_y = comm.recv_backward()
+        comm.send_backward(run.backward(bwd, grad_y))
+    return _finish(run)
+
+
+ENGINES: dict[str, Callable[..., PipelineStepResult]] = {
+    "afab": train_step_afab,
+    "1f1b": train_step_1f1b,
+}
+
+
+def run_pipeline_step(
+    engine: str,
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    *,
+    on_last_backward: Callable[[], None] | None = None,
+) -> PipelineStepResult:
+    """Run one training step's forwards and backwards with the named engine."""
+    if engine not in ENGINES:
+        raise PipelineScheduleError(
+            f"parallelism.pp_engine must be one of {sorted(ENGINES)}, got {engine!r}"
+        )
+    return ENGINES[engine](stage, micro_batches, pc, on_last_backward=on_last_backward)
+
+
+def loss_on_all_pp_ranks(loss: float | None, pc: ParallelContext) -> float:
+    """Broadcast the last stage's mean loss to every rank of its pipeline group (collective
+    over the pp group: every stage calls it)."""
+    value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    if pc.pp_size > 1:
+        value = value.to(pc.device)
+        dist.broadcast(value, src=pc.pp_ranks[-1], group=pc.pp_group)
+    return float(value.item())

@@ -1,0 +1,92 @@
+"""Cross-entropy over vocab-sharded logits, in fp32, without ever gathering the full vocab.
+
+Each rank holds columns ``[r * V/tp, (r + 1) * V/tp)`` of the (padded) vocab. Three small
+all-reduces over tp give the global max, the target logit and the sum of exponentials:
+``loss = log(sum_j exp(z_j - m)) - (z_target - m)``. The gradient is ``softmax - onehot``,
+computed locally from the saved shard of the softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nanotron_parallel.context import ParallelConfigError
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_shard, targets, group, vocab_size):
+        rank = dist.get_rank(group)
+        shard = logits_shard.shape[-1]
+        start = rank * shard
+        logits = logits_shard.float()
+        if vocab_size < start + shard:
+            # Padding columns take no part in the softmax.
+            columns = torch.arange(start, start + shard, device=logits.device)
+            logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+
+        # A rank made only of padding has a local max of -inf; the global max is finite.
+        logits_max = _all_reduce(logits.amax(dim=-1), group, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_target = targets - start
+        mine = (local_target >= 0) & (local_target < shard)
+        safe_target = local_target.masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = _all_reduce(target_logit.masked_fill(~mine, 0.0), group)
+
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        loss = torch.log(sum_exp) - target_logit
+
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), safe_target, mine)
+        ctx.input_dtype = logits_shard.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, safe_target, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, safe_target.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.float().unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    targets: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Per-token cross-entropy (fp32, shape of ``targets``) from this rank's vocab shard.
+
+    ``logits_shard``: ``[..., vocab_padded / tp]``; ``targets``: ``[...]`` global token ids.
+    ``vocab_size``: the real vocab; columns at or past it are padding and are excluded.
+    """
+    world = dist.get_world_size(group)
+    padded = logits_shard.shape[-1] * world
+    if vocab_size is None:
+        vocab_size = padded
+    if not 0 < vocab_size <= padded:
+        raise ParallelConfigError(
+            f"vocab_size={vocab_size} must be in [1, {padded}] (the padded vocab: "
+            f"{logits_shard.shape[-1]} columns per rank x tp={world})"
+        )
+    if targets.shape != logits_shard.shape[:-1]:
+        raise ParallelConfigError(
+            f"targets shape {tuple(targets.shape)} must equal the logits shape without its "
+            f"vocab dim, {tuple(logits_shard.shape[:-1])}"
+        )
+    if targets.numel() and (bool((targets < 0).any()) or bool((targets >= vocab_size).any())):
+        raise ParallelConfigError(
+            f"targets must lie in [0, vocab_size={vocab_size}); got min={int(targets.min())}, "
+            f"max={int(targets.max())}"
+        )
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets.long(), group, vocab_size)

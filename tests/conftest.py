@@ -1,0 +1,10 @@
+"""Suite-wide setup: keep it minimal."""
+
+import sys
+from pathlib import Path
+
+# Helper modules next to the tests (e.g. tests/parallel/tp_checks.py) are imported as
+# `tests.<area>.<module>`; make that work however pytest is launched (`pytest` or `-m pytest`).
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
