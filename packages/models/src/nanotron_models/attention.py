@@ -1,0 +1,80 @@
+"""Attention kernels: flash-attn when available on CUDA, else PyTorch's scaled_dot_product_attention.
+
+Tensors are sequence-first like the rest of the model: q [s_q, b, heads, d], k and v
+[s_k, b, kv_heads, d] (grouped-query attention: heads is a multiple of kv_heads). Causality is
+bottom-right aligned: query i sits at absolute position s_k - s_q + i, which is what decoding
+with a KV cache needs (with s_q == s_k it is the ordinary causal mask).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.warning(message)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """Which kernel to run for `requested` in {"auto", "sdpa", "flash_attn"} on `device`.
+
+    "flash_attn" when it cannot run (not installed, or CPU tensors) falls back to sdpa with a
+    warning logged once; "auto" picks flash_attn when it can run and logs a fallback once.
+    """
+    can_flash = device.type == "cuda" and flash_attn_available()
+    if requested == "sdpa":
+        return "sdpa"
+    if requested == "flash_attn":
+        if can_flash:
+            return "flash_attn"
+        why = "not installed" if not flash_attn_available() else f"tensors on {device.type}"
+        _log_once(f"attn_backend=flash_attn requested but unavailable ({why}); using sdpa")
+        return "sdpa"
+    if requested == "auto":
+        if can_flash:
+            return "flash_attn"
+        why = "not installed" if not flash_attn_available() else f"tensors on {device.type}"
+        _log_once(f"attn_backend=auto: flash_attn unavailable ({why}); using sdpa")
+        return "sdpa"
+    raise ValueError(f"unknown attention backend {requested!r}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
+    """Causal attention; returns [s_q, b, heads, d]."""
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_func
+
+        # flash-attn wants [b, s, heads, d] and aligns the causal mask bottom-right.
+        out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True)
+        return out.transpose(0, 1)
+    return _sdpa(q, k, v)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    s_q, s_k = q.shape[0], k.shape[0]
+    # [s, b, heads, d] -> [b, heads, s, d]; GQA without materialising repeated kv heads.
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    if s_q == s_k:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif s_q == 1:
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    else:
+        # Cached prefix: query i may see keys 0 .. s_k - s_q + i (bottom-right causal mask).
+        rows = torch.arange(s_q, device=q.device)[:, None] + (s_k - s_q)
+        mask = torch.arange(s_k, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3)

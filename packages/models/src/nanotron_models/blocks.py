@@ -1,0 +1,212 @@
+"""The Llama blocks a pipeline cuts into stages. Hidden states are sequence-first [s, b, h];
+in REDUCE_SCATTER (sequence-parallel) mode they are [s/tp, b, h] between the tp regions.
+
+Every block is called as `block(x, batch)`. Decoders read optional `batch["position_ids"]`
+([b, s]; default 0..s-1 after any cached tokens) and take an optional KV cache as a keyword
+argument (used by `LlamaStage.logits`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanotron_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLinearMode,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    vocab_parallel_cross_entropy,
+)
+
+from .attention import attention, resolve_backend
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .rotary import RotaryTable, apply_rotary
+
+Batch = dict[str, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a weight replicated over tp.
+
+    In REDUCE_SCATTER mode each rank normalises only its sequence chunk, so the weight's
+    gradient is partial there: copy_to_tp sums it over tp in the backward.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        group=None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.eps, self.group, self.sequence_parallel = eps, group, sequence_parallel
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
+        return _RMSNormFunction.apply(x, weight, self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """weight * x / rms(x), normalised in fp32 like Hugging Face, with a hand-written backward:
+    fewer passes over the activations than autograd's decomposition (about 1.6x faster on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+        normed = (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(normed, rstd, weight)
+        return weight * normed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        normed, rstd, weight = ctx.saved_tensors
+        grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        g = (grad * weight).float()
+        nf = normed.float()
+        grad_x = (g - nf * (g * nf).mean(-1, keepdim=True)).mul_(rstd)
+        return grad_x.to(grad.dtype), grad_weight, None
+
+
+class Embedding(VocabParallelEmbedding):
+    """Token ids [b, s] -> hidden [s, b, h] ([s/tp, b, h] in REDUCE_SCATTER mode)."""
+
+    def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(batch["input_ids"].transpose(0, 1))
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        layer: int,
+        group,
+        mode,
+        rotary: RotaryTable,
+        backend: str,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        c, tp = config, dist.get_world_size(group)
+        self.layer, self.rotary, self.backend, self.group = layer, rotary, backend, group
+        self.head_dim = c.head_dim
+        self.n_heads, self.n_kv = c.num_attention_heads // tp, c.n_kv_heads // tp
+        d, h = c.head_dim, c.hidden_size
+        qkv_out = (c.num_attention_heads + 2 * c.n_kv_heads) * d
+        sections = [c.num_attention_heads * d, c.n_kv_heads * d, c.n_kv_heads * d]
+        self.qkv = ColumnParallelLinear(
+            h, qkv_out, group, mode, device=device, dtype=dtype, sections=sections
+        )
+        self.o_proj = RowParallelLinear(
+            c.num_attention_heads * d, h, group, mode, device=device, dtype=dtype
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, (heads + 2 kv) * d / tp], the full sequence
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.n_heads + 2 * self.n_kv, self.head_dim)
+        offset = kv_cache.offset if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(offset, offset + s, device=x.device)
+            cos, sin = self.rotary.cos_sin(position_ids, x.device, x.dtype)
+            cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        else:  # [b, s] -> cos/sin [s, b, 1, d]
+            cos, sin = self.rotary.cos_sin(position_ids.transpose(0, 1), x.device, x.dtype)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        # One rotation for q and k together: they are adjacent in the fused projection.
+        # (split, not slicing: its backward is one concatenation instead of zero-fills + adds)
+        qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)
+        q, k = apply_rotary(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, k, v)
+        backend = resolve_backend(self.backend, x.device)
+        out = attention(q, k, v, backend)  # [s, b, heads, d]
+        return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig, group, mode, device=None, dtype=None):
+        super().__init__()
+        h, inter = config.hidden_size, config.intermediate_size
+        self.gate_up = ColumnParallelLinear(
+            h, 2 * inter, group, mode, device=device, dtype=dtype, sections=[inter, inter]
+        )
+        self.down = RowParallelLinear(inter, h, group, mode, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        layer: int,
+        group,
+        mode,
+        rotary: RotaryTable,
+        backend: str,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        eps, h = config.rms_norm_eps, config.hidden_size
+        sp = mode == TensorParallelLinearMode.REDUCE_SCATTER
+        self.input_norm = RMSNorm(h, eps, group, sp, device, dtype)
+        self.attn = Attention(config, layer, group, mode, rotary, backend, device, dtype)
+        self.post_attn_norm = RMSNorm(h, eps, group, sp, device, dtype)
+        self.mlp = MLP(config, group, mode, device, dtype)
+
+    def forward(
+        self, x: torch.Tensor, batch: Batch, *, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
+        position_ids = batch.get("position_ids")
+        x = x + self.attn(self.input_norm(x), position_ids, kv_cache)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LMHead(ColumnParallelLinear):
+    """Hidden -> this rank's logit shard [s, b, vocab_padded / tp]."""
+
+    def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+
+class Loss(nn.Module):
+    """Logit shard -> fp32 mean cross-entropy over the tokens where label_mask is true."""
+
+    def __init__(self, vocab_size: int, group):
+        super().__init__()
+        self.vocab_size, self.group = vocab_size, group
+
+    def forward(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        labels = batch["label_ids"].transpose(0, 1)
+        mask = batch["label_mask"].transpose(0, 1).to(torch.float32)
+        if dist.get_world_size(self.group) == 1 and logits.shape[-1] == self.vocab_size:
+            # Nothing to split: PyTorch's fused log-softmax kernel is the same function, faster.
+            flat = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+            per_token = flat.view_as(mask)
+        else:
+            per_token = vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_size)
+        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def linear_mode(mode: str | TensorParallelLinearMode) -> TensorParallelLinearMode:
+    return mode if isinstance(mode, TensorParallelLinearMode) else TensorParallelLinearMode(mode)

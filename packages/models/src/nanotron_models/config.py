@@ -1,0 +1,194 @@
+"""The Llama configuration (Nanotron's field names) and its validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+ATTN_BACKENDS = ("auto", "sdpa", "flash_attn")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class ModelConfigError(ValueError):
+    """A model configuration value a user can get wrong; the message names the field."""
+
+
+@dataclass
+class LlamaConfig:
+    """Llama hyper-parameters, with the names Nanotron's YAML uses under `model.model_config`.
+
+    `rope_scaling` is None (plain RoPE) or a Llama-3 scaling dict:
+    `{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}`.
+
+    Tensor parallelism splits the attention heads and the key/value heads over the tp ranks, so
+    `num_key_value_heads` must be a multiple of tp. We refuse `num_key_value_heads < tp` rather
+    than replicating key/value heads across ranks: replication would make the k/v weights
+    layout-dependent and break topology-independent initialisation and checkpoints.
+    """
+
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    vocab_size: int = 32000
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    pad_token_id: int | None = None
+    # Accepted for compatibility with Nanotron YAML files; only the values below are supported.
+    is_llama_config: bool = True
+    pretraining_tp: int = 1
+    use_cache: bool = True
+    rope_interleaved: bool = False
+    # Ours: which attention kernel to use ("auto" = flash_attn on CUDA when installed, else sdpa).
+    attn_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        assert self.num_key_value_heads is not None
+        return self.num_key_value_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocab rounded up to a multiple of tp (the extra rows are zero and masked in the loss)."""
+        return -(-self.vocab_size // tp) * tp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ModelConfigError(f"model_config: unknown key(s) {unknown}")
+        return cls(**d)
+
+    def validate(self, tp: int = 1) -> LlamaConfig:
+        """Check every field (and compatibility with `tp`); raise ModelConfigError naming the field."""
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelConfigError(
+                    f"model_config.{name} must be a positive integer, got {value!r}"
+                )
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ModelConfigError(
+                    f"model_config.{name} must be a positive number, got {value!r}"
+                )
+        if not isinstance(tp, int) or tp <= 0:
+            raise ModelConfigError(f"tensor parallel size must be a positive integer, got {tp!r}")
+        h, nh, nkv = self.hidden_size, self.num_attention_heads, self.n_kv_heads
+        if h % nh:
+            raise ModelConfigError(
+                f"model_config.hidden_size ({h}) must be divisible by "
+                f"model_config.num_attention_heads ({nh})"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(
+                f"model_config.hidden_size / num_attention_heads = {self.head_dim} must be even (RoPE)"
+            )
+        if nh % nkv:
+            raise ModelConfigError(
+                f"model_config.num_attention_heads ({nh}) must be divisible by "
+                f"model_config.num_key_value_heads ({nkv})"
+            )
+        if nh % tp:
+            raise ModelConfigError(
+                f"model_config.num_attention_heads ({nh}) must be divisible by tp ({tp})"
+            )
+        if nkv < tp:
+            raise ModelConfigError(
+                f"model_config.num_key_value_heads ({nkv}) is smaller than tp ({tp}): each tp rank "
+                f"needs at least one key/value head (we do not replicate kv heads); "
+                f"use tp <= {nkv} or more key/value heads"
+            )
+        if nkv % tp:
+            raise ModelConfigError(
+                f"model_config.num_key_value_heads ({nkv}) must be divisible by tp ({tp})"
+            )
+        if self.intermediate_size % tp:
+            raise ModelConfigError(
+                f"model_config.intermediate_size ({self.intermediate_size}) must be divisible by tp ({tp})"
+            )
+        if self.hidden_act != "silu":
+            raise ModelConfigError(
+                f"model_config.hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}"
+            )
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ModelConfigError(
+                f"model_config.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}"
+            )
+        if self.rope_interleaved:
+            raise ModelConfigError(
+                "model_config.rope_interleaved=True is not supported (we use the rotate-half "
+                "layout of Hugging Face)"
+            )
+        if self.pretraining_tp != 1:
+            raise ModelConfigError(
+                f"model_config.pretraining_tp must be 1, got {self.pretraining_tp!r}"
+            )
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or not 0 <= value < self.vocab_size
+            ):
+                raise ModelConfigError(
+                    f"model_config.{name} must be None or in [0, vocab_size={self.vocab_size}), "
+                    f"got {value!r}"
+                )
+        _validate_rope_scaling(self.rope_scaling)
+        return self
+
+
+def _validate_rope_scaling(rs: dict[str, Any] | None) -> None:
+    if rs is None:
+        return
+    if not isinstance(rs, dict):
+        raise ModelConfigError(f"model_config.rope_scaling must be null or a mapping, got {rs!r}")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind != "llama3":
+        raise ModelConfigError(
+            f"model_config.rope_scaling.rope_type must be 'llama3' (the only scaling supported), "
+            f"got {kind!r}"
+        )
+    for key in _LLAMA3_KEYS:
+        value = rs.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(
+                f"model_config.rope_scaling.{key} must be a positive number, got {value!r}"
+            )
+    if rs["high_freq_factor"] <= rs["low_freq_factor"]:
+        raise ModelConfigError(
+            "model_config.rope_scaling.high_freq_factor must be greater than low_freq_factor, "
+            f"got {rs['high_freq_factor']} <= {rs['low_freq_factor']}"
+        )
+    unknown = set(rs) - {"rope_type", "type", *_LLAMA3_KEYS}
+    if unknown:
+        raise ModelConfigError(f"model_config.rope_scaling: unknown key(s) {sorted(unknown)}")

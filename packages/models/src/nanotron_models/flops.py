@@ -1,0 +1,75 @@
+"""Parameter count, training FLOPs per token, and per-block forward costs for pipeline placement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import LlamaConfig
+
+
+def _layer_matmul_params(c: LlamaConfig) -> int:
+    d = c.head_dim
+    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.n_kv_heads) * d
+    o_proj = c.num_attention_heads * d * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+    return qkv + o_proj + mlp
+
+
+def num_parameters(config: LlamaConfig) -> int:
+    """Trainable parameters of the unpadded model, a tied embedding counted once."""
+    c = config
+    per_layer = _layer_matmul_params(c) + 2 * c.hidden_size  # + two RMSNorm weights
+    embedding = c.vocab_size * c.hidden_size
+    lm_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return embedding + c.num_hidden_layers * per_layer + c.hidden_size + lm_head
+
+
+def training_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Model FLOPs of one training step (forward + backward) per token:
+
+        6 * N  +  12 * L * h * s
+
+    N counts the weights that do a matrix multiply per token: every decoder layer's q, k, v, o,
+    gate, up and down projections plus the lm_head (V x h, counted even when tied to the
+    embedding, since the projection is computed either way). The embedding lookup and the norms
+    are left out (no matmul). 6 = 2 FLOPs per multiply-add x (1 forward + 2 backward).
+    The attention term is the PaLM / Megatron one: per token and layer, QK^T and AV take
+    2 * 2 * h * s FLOPs forward, x3 for forward + backward = 12 * h * s, with the causal mask
+    NOT halving it (the usual convention for MFU, so figures compare with published ones).
+    """
+    c = config
+    n = c.num_hidden_layers * _layer_matmul_params(c) + c.vocab_size * c.hidden_size
+    return float(6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len)
+
+
+def llama_block_names(config: LlamaConfig) -> list[str]:
+    decoders = [f"decoder.{i}" for i in range(config.num_hidden_layers)]
+    return ["embedding", *decoders, "final_norm", "lm_head", "loss"]
+
+
+def llama_block_costs(config: LlamaConfig, seq_len: int) -> list[float]:
+    """Estimated forward FLOPs of each block for one sequence of `seq_len` tokens.
+
+    Same order as `llama_block_names`. Only relative values matter (pipeline placement), but
+    they are real FLOP counts: decoder = matmuls + causal-free attention, lm_head = 2*s*V*h.
+    """
+    c, s, h = config, seq_len, config.hidden_size
+    embedding = float(s * h)  # a gather: memory-bound, tiny
+    decoder = float(2 * s * _layer_matmul_params(c) + 4 * s * s * h + 20 * s * h)
+    final_norm = float(4 * s * h)
+    lm_head = float(2 * s * c.vocab_size * h)
+    loss = float(5 * s * c.vocab_size)  # softmax over the vocab
+    return [embedding, *([decoder] * c.num_hidden_layers), final_norm, lm_head, loss]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    name: str
+    cost: float
+
+
+def llama_block_specs(config: LlamaConfig, seq_len: int | None = None) -> list[BlockSpec]:
+    """(name, forward cost) of every block; seq_len defaults to max_position_embeddings."""
+    s = seq_len if seq_len is not None else config.max_position_embeddings
+    names, costs = llama_block_names(config), llama_block_costs(config, s)
+    return [BlockSpec(n, c) for n, c in zip(names, costs)]

@@ -1,0 +1,73 @@
+"""Topology-independent initialisation: each parameter's FULL tensor comes from a generator seeded
+by (seed, global parameter name), then each rank keeps its own shard.
+
+So the same seed gives bitwise the same full weights whatever tp / pp is. Only one full tensor
+exists at a time (generated on the CPU in fp32, then sharded and cast).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import LlamaConfig
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed derived from the run seed and the parameter's global name."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """How to build one parameter's full tensor and cut this rank's shard from it."""
+
+    key: str  # the name the generator is seeded with (the tied source's name for a tied lm_head)
+    full_shape: tuple[int, ...]  # unpadded
+    std: float | None  # None -> ones (norm weights)
+    shard_dim: int | None  # None -> replicated over tp
+    sections: tuple[int, ...] | None = None
+    pad_rows_to: int | None = None  # vocab padding: zero rows appended up to this size
+
+
+def full_tensor(spec: InitSpec, seed: int) -> torch.Tensor:
+    """The full (vocab-padded) fp32 CPU tensor for `spec`."""
+    if spec.std is None:
+        full = torch.ones(spec.full_shape)
+    else:
+        gen = torch.Generator().manual_seed(param_seed(seed, spec.key))
+        full = torch.empty(spec.full_shape).normal_(0.0, spec.std, generator=gen)
+    if spec.pad_rows_to is not None and spec.pad_rows_to > full.shape[0]:
+        pad = torch.zeros(spec.pad_rows_to - full.shape[0], *full.shape[1:])
+        full = torch.cat((full, pad), dim=0)
+    return full
+
+
+def llama_init_spec(config: LlamaConfig, name: str, init_std: float, tp: int) -> InitSpec:
+    """The InitSpec of the parameter with global name `name` (see blocks.py for the names)."""
+    c = config
+    h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    q, kv = c.num_attention_heads * d, c.n_kv_heads * d
+    # Nanotron's scaled init for the projections that write into the residual stream.
+    scaled = init_std / math.sqrt(2 * c.num_hidden_layers)
+    vpad = c.padded_vocab_size(tp)
+    if name == "embedding.weight":
+        return InitSpec(name, (c.vocab_size, h), init_std, 0, pad_rows_to=vpad)
+    if name == "lm_head.weight":
+        key = "embedding.weight" if c.tie_word_embeddings else name
+        return InitSpec(key, (c.vocab_size, h), init_std, 0, pad_rows_to=vpad)
+    if name == "final_norm.weight" or name.endswith("_norm.weight"):
+        return InitSpec(name, (h,), None, None)
+    if name.endswith("attn.qkv.weight"):
+        return InitSpec(name, (q + 2 * kv, h), init_std, 0, (q, kv, kv))
+    if name.endswith("attn.o_proj.weight"):
+        return InitSpec(name, (h, q), scaled, 1)
+    if name.endswith("mlp.gate_up.weight"):
+        return InitSpec(name, (2 * inter, h), init_std, 0, (inter, inter))
+    if name.endswith("mlp.down.weight"):
+        return InitSpec(name, (h, inter), scaled, 1)
+    raise KeyError(f"no initialisation rule for parameter {name!r}")

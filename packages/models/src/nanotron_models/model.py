@@ -1,0 +1,229 @@
+"""LlamaStage: the contiguous blocks of one pipeline stage, with this rank's tp shards only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanotron_parallel.sharding import (
+    ParamMeta,
+    gather_full,
+    get_param_meta,
+    set_param_meta,
+    shard_tensor,
+)
+from nanotron_parallel.tensor_parallel import TensorParallelLinearMode, gather_from_tp
+
+from .blocks import Batch, DecoderLayer, Embedding, LMHead, Loss, RMSNorm, linear_mode
+from .config import ATTN_BACKENDS, LlamaConfig, ModelConfigError
+from .flops import llama_block_names
+from .init import full_tensor, llama_init_spec
+from .kv_cache import KVCache
+from .rotary import RotaryTable
+
+TIED_KEY = "embedding.weight"
+
+
+class LlamaStage(nn.Module):
+    """Some contiguous blocks of the Llama. Submodules `embedding`, `decoder` (ModuleDict keyed
+    by the global layer index), `final_norm`, `lm_head`, `loss`: each only if in block_names.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        pc,
+        block_names: list[str],
+        tp_mode: TensorParallelLinearMode,
+        attn_backend: str,
+        device,
+        dtype,
+    ):
+        super().__init__()
+        self.config, self.pc, self.block_names = config, pc, list(block_names)
+        self.tp_mode = tp_mode
+        group, c = pc.tp_group, config
+        vpad = c.padded_vocab_size(pc.tp_size)
+        self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.rope_scaling)
+        kw = {"device": device, "dtype": dtype}
+        if "embedding" in block_names:
+            self.embedding = Embedding(vpad, c.hidden_size, group, tp_mode, **kw)
+        layers = [int(n.split(".")[1]) for n in block_names if n.startswith("decoder.")]
+        self.decoder = nn.ModuleDict(
+            {
+                str(i): DecoderLayer(c, i, group, tp_mode, self.rotary, attn_backend, **kw)
+                for i in layers
+            }
+        )
+        if "final_norm" in block_names:
+            sp = tp_mode == TensorParallelLinearMode.REDUCE_SCATTER
+            self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, group, sp, **kw)
+        if "lm_head" in block_names:
+            self.lm_head = LMHead(c.hidden_size, vpad, group, tp_mode, **kw)
+        if "loss" in block_names:
+            self.loss = Loss(c.vocab_size, group)
+
+    def block(self, name: str) -> nn.Module:
+        if name.startswith("decoder."):
+            return self.decoder[name.split(".", 1)[1]]
+        return getattr(self, name)
+
+    def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:
+        for name in self.block_names:
+            x = self.block(name)(x, batch)
+        assert x is not None
+        return x
+
+    @torch.no_grad()
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Full logits [b, s, vocab] (gathered over tp, vocab padding dropped) for new tokens
+        `input_ids` [b, s]; with `kv_cache`, the tokens continue the cached ones.
+
+        Needs a stage holding embedding .. lm_head (pp = 1). In REDUCE_SCATTER mode the new
+        tokens are right-padded to a multiple of tp (causality keeps the real tokens exact and
+        the cache drops the padding).
+        """
+        missing = {"embedding", "final_norm", "lm_head"} - set(self.block_names)
+        if missing or len(self.decoder) != self.config.num_hidden_layers:
+            raise ModelConfigError("LlamaStage.logits needs every block on this stage (pp = 1)")
+        b, s = input_ids.shape
+        tp = self.pc.tp_size
+        pad = (-s) % tp if self.tp_mode == TensorParallelLinearMode.REDUCE_SCATTER else 0
+        if pad:
+            input_ids = torch.cat((input_ids, input_ids[:, -1:].expand(b, pad)), dim=1)
+            if position_ids is not None:
+                position_ids = torch.cat((position_ids, position_ids[:, -1:].expand(b, pad)), dim=1)
+        batch: Batch = {"input_ids": input_ids}
+        if position_ids is not None:
+            batch["position_ids"] = position_ids
+        x = self.embedding(None, batch)
+        for layer in self.decoder.values():
+            x = layer(x, batch, kv_cache=kv_cache)
+        x = self.lm_head(self.final_norm(x))
+        full = gather_from_tp(x, self.pc.tp_group, dim=-1)[..., : self.config.vocab_size]
+        if kv_cache is not None:
+            kv_cache.commit(s)
+        return full.transpose(0, 1)[:, :s]
+
+
+def build_llama_stage(
+    config: LlamaConfig,
+    pc,
+    block_names: list[str],
+    *,
+    tp_mode: str | TensorParallelLinearMode = TensorParallelLinearMode.ALL_REDUCE,
+    seed: int = 42,
+    init_std: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    attn_backend: str | None = None,
+) -> LlamaStage:
+    """Build the named contiguous blocks with this rank's tp shards, initialised from `seed`.
+
+    init_std defaults to config.initializer_range; attn_backend to config.attn_backend.
+    """
+    config.validate(pc.tp_size)
+    names = llama_block_names(config)
+    unknown = [n for n in block_names if n not in names]
+    if unknown or not block_names:
+        raise ModelConfigError(f"unknown or empty block names {unknown or block_names}")
+    idx = [names.index(n) for n in block_names]
+    if idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ModelConfigError(f"block names must be contiguous and in order, got {block_names}")
+    backend = attn_backend if attn_backend is not None else config.attn_backend
+    if backend not in ATTN_BACKENDS:
+        raise ModelConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
+    std = config.initializer_range if init_std is None else init_std
+    device = torch.device(device) if device is not None else torch.device(pc.device)
+    # Build on the meta device (no memory, no throw-away init), then fill every parameter.
+    stage = LlamaStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype)
+    _materialise(stage, config, pc, seed, std, device, dtype)
+    return stage
+
+
+def build_llama(config: LlamaConfig, pc, **kwargs) -> LlamaStage:
+    """One stage holding every block (pp = 1)."""
+    return build_llama_stage(config, pc, llama_block_names(config), **kwargs)
+
+
+def _owner(stage: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return stage.get_submodule(path) if path else stage, attr
+
+
+def _materialise(stage: LlamaStage, config, pc, seed, std, device, dtype) -> None:
+    tp, rank = pc.tp_size, pc.tp_rank
+    tied_here = (
+        config.tie_word_embeddings and hasattr(stage, "embedding") and hasattr(stage, "lm_head")
+    )
+    for name, _ in list(stage.named_parameters()):
+        if tied_here and name == "lm_head.weight":
+            continue
+        spec = llama_init_spec(config, name, std, tp)
+        full = full_tensor(spec, seed)
+        sections = list(spec.sections) if spec.sections else None
+        data = (
+            full
+            if spec.shard_dim is None
+            else shard_tensor(full, spec.shard_dim, rank, tp, sections)
+        )
+        param = nn.Parameter(data.to(device=device, dtype=dtype))
+        tied = config.tie_word_embeddings and name in ("embedding.weight", "lm_head.weight")
+        if spec.shard_dim is not None or tied:
+            set_param_meta(
+                param,
+                ParamMeta(
+                    full_shape=tuple(full.shape),
+                    shard_dim=spec.shard_dim,
+                    sections=spec.sections,
+                    tp_rank=rank,
+                    tp_size=tp,
+                    tied_key=TIED_KEY if tied else None,
+                ),
+            )
+        module, attr = _owner(stage, name)
+        setattr(module, attr, param)
+    if tied_here:
+        stage.lm_head.weight = stage.embedding.weight
+
+
+def full_state_dict(stage: LlamaStage, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) of the stage as a full tensor: gathered over tp,
+    vocab padding dropped, tied lm_head included. Collective over the tp group.
+    """
+    out = {}
+    vocab = stage.config.vocab_size
+    for name, param in stage.named_parameters(remove_duplicate=False):
+        t = param.grad if grads else param
+        if t is None:
+            raise ValueError(f"parameter {name} has no gradient")
+        meta = get_param_meta(param)
+        if meta is None or meta.shard_dim is None:
+            full = t.detach().clone()
+        else:
+            full = gather_full(t, stage.pc.tp_group, meta.shard_dim, meta.sections)
+        if name in ("embedding.weight", "lm_head.weight"):
+            full = full[:vocab]
+        out[name] = full.cpu()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(stage: LlamaStage, full_sd: dict[str, torch.Tensor]) -> None:
+    """Copy full (unpadded) tensors into this rank's shards of the stage's parameters."""
+    from .hf import HFConversionError, shard_full_state_dict
+
+    own = dict(stage.named_parameters(remove_duplicate=False))
+    missing = [n for n in own if n not in full_sd]
+    if missing:
+        raise HFConversionError(f"state dict lacks {missing}")
+    shards = shard_full_state_dict(
+        {n: full_sd[n] for n in own}, stage.config, stage.pc.tp_rank, stage.pc.tp_size
+    )
+    for name, param in own.items():
+        param.copy_(shards[name].to(param.dtype))

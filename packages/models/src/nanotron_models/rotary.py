@@ -1,0 +1,73 @@
+"""Rotary position embeddings (RoPE), rotate-half layout, with optional Llama-3 frequency scaling.
+
+We use the same "rotate half" convention as Hugging Face's Llama (the two halves of each head
+dimension form the rotated pairs), so HF q/k projection weights load without any permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, Llama-3 scaled when `scaling` is given."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryTable:
+    """cos/sin lookup for positions; the table grows on demand and is kept per device.
+
+    Not an nn.Module buffer on purpose: it is derived from the config, never trained nor saved.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, length: int, device: torch.device, dtype: torch.dtype):
+        key = (device, dtype)
+        cached = self._tables.get(key)
+        if cached is None or cached[0].shape[0] < length:
+            size = max(length, 2 * cached[0].shape[0] if cached is not None else length)
+            pos = torch.arange(size, device=device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cached = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._tables[key] = cached
+        return cached
+
+    def cos_sin(
+        self, position_ids: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [*position_ids.shape, head_dim]."""
+        cos, sin = self._table(int(position_ids.max()) + 1, device, dtype)
+        return cos[position_ids], sin[position_ids]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [..., heads, head_dim]; cos/sin broadcast over the heads dim."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,114 @@
+"""RoPE, parameter count, FLOPs, block list and attention backend selection."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from models_helpers import LLAMA3_SCALING, hf_model, tiny_config
+
+from nanotron_models import (
+    llama_block_costs,
+    llama_block_names,
+    llama_block_specs,
+    num_parameters,
+    resolve_backend,
+    training_flops_per_token,
+)
+from nanotron_models.attention import attention
+from nanotron_models.hf import config_to_hf
+from nanotron_models.rotary import RotaryTable, rope_inv_freq
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+def test_rope_frequencies_equal_hf(scaling):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = tiny_config(rope_scaling=scaling, hidden_size=128)
+    hf_rope = LlamaRotaryEmbedding(config_to_hf(config))
+    ours = rope_inv_freq(config.head_dim, config.rope_theta, scaling)
+    assert torch.equal(ours, hf_rope.inv_freq)
+    if scaling is not None:  # scaling really changes the low frequencies
+        assert not torch.equal(ours, rope_inv_freq(config.head_dim, config.rope_theta))
+    pos = torch.arange(40)[None]
+    cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), pos)
+    our_cos, our_sin = RotaryTable(config.head_dim, config.rope_theta, scaling).cos_sin(
+        pos[0], torch.device("cpu"), torch.float32
+    )
+    assert torch.equal(our_cos, cos[0]) and torch.equal(our_sin, sin[0])
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_num_parameters_equals_hf(tie):
+    config = tiny_config(tie)
+    hf = hf_model(config)
+    assert num_parameters(config) == sum(p.numel() for p in hf.parameters())
+
+
+def test_training_flops_formula():
+    config = tiny_config()  # h=64, L=2, heads 4 (d=16), kv 2, I=96, V=101
+    layer = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 96
+    n = 2 * layer + 101 * 64
+    assert training_flops_per_token(config, 128) == 6 * n + 12 * 2 * 64 * 128
+    # Llama-2-7B-like shapes give the well-known ~6.7e9 matmul parameters -> ~4.2e10 FLOPs/tok.
+    big = tiny_config(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    )
+    assert 6.5e9 < num_parameters(big) < 6.8e9
+    # Matmul weights = all parameters minus the embedding table and the 2L+1 norm vectors.
+    n_matmul = num_parameters(big) - 32000 * 4096 - (2 * 32 + 1) * 4096
+    assert training_flops_per_token(big, 4096) == 6 * n_matmul + 12 * 32 * 4096 * 4096
+
+
+def test_block_names_and_costs():
+    config = tiny_config(num_hidden_layers=3)
+    names = llama_block_names(config)
+    assert names == [
+        "embedding",
+        "decoder.0",
+        "decoder.1",
+        "decoder.2",
+        "final_norm",
+        "lm_head",
+        "loss",
+    ]
+    costs = llama_block_costs(config, 32)
+    assert len(costs) == len(names) and all(c > 0 for c in costs)
+    assert costs[1] == costs[2] == costs[3]
+    assert costs[5] == 2 * 32 * 101 * 64  # lm_head: 2 * s * V * h
+    specs = llama_block_specs(config, 32)
+    assert [s.name for s in specs] == names and [s.cost for s in specs] == costs
+
+
+def test_backend_selection_falls_back_to_sdpa_and_logs(caplog):
+    cpu = torch.device("cpu")
+    from nanotron_models import attention as attn_mod
+
+    attn_mod._log_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="nanotron_models.attention"):
+        assert resolve_backend("flash_attn", cpu) == "sdpa"
+        assert resolve_backend("flash_attn", cpu) == "sdpa"
+        assert resolve_backend("sdpa", cpu) == "sdpa"
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "flash_attn" in messages[0] and "sdpa" in messages[0]
+    with pytest.raises(ValueError, match="xformers"):
+        resolve_backend("xformers", cpu)
+
+
+def test_sdpa_gqa_with_cached_prefix_equals_naive():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 4, 8, generator=gen)  # 3 new queries after 5 cached keys
+    k, v = torch.randn(8, 2, 2, 8, generator=gen), torch.randn(8, 2, 2, 8, generator=gen)
+    out = attention(q, k, v, "sdpa")
+    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / 8**0.5
+    allowed = torch.arange(8)[None, :] <= torch.arange(3)[:, None] + 5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    naive = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), vv)
+    torch.testing.assert_close(out, naive, rtol=1e-5, atol=1e-6)
