@@ -1,0 +1,123 @@
+"""AdamW over this rank's parameter ranges, with fp32 master weights where needed.
+
+The optimizer sees one fp32 "master" tensor per owned range (the whole parameter for
+zero_stage 0, this dp rank's part for ZeRO-1). When the parameter is fp32 the master is a view
+into it, so stepping it updates the model in place; when the model is bf16/fp16 the master is an
+fp32 copy, stepped and then copied back (accumulate_grad_in_fp32). Weight decay skips norms and
+biases (1-D parameters, or names containing "norm" or ending in "bias").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class OptimizerConfigError(ValueError):
+    """An optimizer setting that cannot work here."""
+
+
+@dataclass
+class Piece:
+    name: str
+    param: nn.Parameter
+    start: int
+    end: int
+    master: torch.Tensor  # fp32, 1-D, end - start elements
+    is_copy: bool  # master is a separate fp32 tensor (low-precision model)
+    decay: bool
+
+
+def uses_weight_decay(name: str, param: nn.Parameter) -> bool:
+    return param.ndim > 1 and "norm" not in name and not name.endswith("bias")
+
+
+def build_pieces(
+    ranges: list[tuple[nn.Parameter, int, int]], names: dict[int, str], master_dtype=torch.float32
+) -> list[Piece]:
+    pieces = []
+    for p, start, end in ranges:
+        flat = p.detach().reshape(-1)
+        if p.dtype == master_dtype:
+            master, is_copy = flat[start:end], False
+        else:
+            master, is_copy = flat[start:end].to(master_dtype).clone(), True
+        name = names.get(id(p), "")
+        pieces.append(Piece(name, p, start, end, master, is_copy, uses_weight_decay(name, p)))
+    return pieces
+
+
+class AdamWOnPieces:
+    """torch.optim.AdamW stepping the masters with gradients taken from `param.main_grad`."""
+
+    def __init__(
+        self,
+        pieces: list[Piece],
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        fused: bool = False,
+    ) -> None:
+        self.pieces = pieces
+        decay = [pc.master for pc in pieces if pc.decay]
+        no_decay = [pc.master for pc in pieces if not pc.decay]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]
+        kwargs = {"fused": True} if fused else {"foreach": False}
+        if not any(g["params"] for g in groups):
+            # A rank that owns nothing (tiny model, large dp) still runs the same steps.
+            self.inner = None
+        else:
+            self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for pc in self.pieces:
+            grad = pc.param.main_grad.reshape(-1)[pc.start : pc.end]
+            pc.master.grad = grad if grad.dtype == pc.master.dtype else grad.to(pc.master.dtype)
+        if self.inner is not None:
+            for group in self.inner.param_groups:
+                group["lr"] = lr
+            self.inner.step()
+        for pc in self.pieces:
+            pc.master.grad = None
+            if pc.is_copy:
+                pc.param.detach().reshape(-1)[pc.start : pc.end].copy_(pc.master)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (Adam moments plus fp32 master copies)."""
+        total = sum(
+            pc.master.numel() * pc.master.element_size() for pc in self.pieces if pc.is_copy
+        )
+        if self.inner is not None:
+            for state in self.inner.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value) and value.numel() > 1:
+                        total += value.numel() * value.element_size()
+        return total
+
+    def state_dict(self) -> dict:
+        """Moments keyed by (name, start, end), so a checkpoint can re-slice them under any layout."""
+        out: dict = {"pieces": [], "inner": None}
+        if self.inner is not None:
+            out["inner"] = self.inner.state_dict()
+        out["pieces"] = [(pc.name, pc.start, pc.end) for pc in self.pieces]
+        out["masters"] = [pc.master.clone() for pc in self.pieces if pc.is_copy]
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        if [tuple(x) for x in state["pieces"]] != [
+            (pc.name, pc.start, pc.end) for pc in self.pieces
+        ]:
+            raise OptimizerConfigError("optimizer state does not match this layout's parameters")
+        if self.inner is not None and state["inner"] is not None:
+            self.inner.load_state_dict(state["inner"])
+        copies = [pc for pc in self.pieces if pc.is_copy]
+        for pc, master in zip(copies, state.get("masters", [])):
+            pc.master.copy_(master)

@@ -1,0 +1,257 @@
+"""The training loop, top to bottom.
+
+config -> ParallelContext -> this rank's model stage -> gradient buffers, optimizer, LR
+schedule -> data -> for each step: pipeline step over the micro-batches (the dp reduction starts
+during the last backward), wait for it, tied-gradient sum, sequence-parallel norm gradients,
+clip by the global norm, optimizer step (ZeRO-1: all-gather the parameters), metrics.
+
+Everything a checkpoint needs lives in one `TrainState` (issue 7 adds save/load around it).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanotron_models.flops import llama_block_costs, llama_block_names, training_flops_per_token
+from nanotron_models.model import build_llama_stage
+from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
+from nanotron_parallel.context import ParallelContext
+from nanotron_parallel.data_parallel import DataParallelGrads
+from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step, stage_block_names
+from nanotron_parallel.tied import tied_parameters
+from nanotron_parallel.zero import all_gather_params, grad_norm_ranges, owned_ranges
+from nanotron_train.checkpoints import hooks as checkpoint_hooks
+from nanotron_train.config import Config
+from nanotron_train.data_source import build_data
+from nanotron_train.lr_schedule import LRSchedule, build_lr_schedule
+from nanotron_train.metrics import (
+    MetricsLogger,
+    StepMeasure,
+    build_metrics_logger,
+    device_peak_tflops,
+    make_record,
+    peak_memory_bytes,
+)
+from nanotron_train.optim import AdamWOnPieces, build_pieces
+from nanotron_train.perf import build_train_model
+from nanotron_train.profiling import StepProfiler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint saves and restores: together they continue a run exactly."""
+
+    model: nn.Module
+    optimizer: AdamWOnPieces  # includes the ZeRO-1 shard of this rank
+    lr_schedule: LRSchedule
+    data: Any  # SyntheticData or TrainData: micro_batches(step), state_dict(), load_state_dict()
+    step: int = 0  # optimizer steps done
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def rng_state(self) -> dict[str, Any]:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+def padded_model_config(cfg: Config):
+    """Nanotron rounds the vocabulary up to make_vocab_size_divisible_by (layout-independent)."""
+    mc = cfg.model.model_config
+    div = cfg.model.make_vocab_size_divisible_by
+    padded = -(-mc.vocab_size // div) * div
+    if padded == mc.vocab_size:
+        return mc
+    from dataclasses import replace
+
+    return replace(mc, vocab_size=padded)
+
+
+def build_model(cfg: Config, pc: ParallelContext) -> nn.Module:
+    mc = padded_model_config(cfg)
+    names = llama_block_names(mc)
+    costs = llama_block_costs(mc, cfg.tokens.sequence_length)
+    mine = stage_block_names(names, costs, pc.pp_size, pc.pp_rank)
+    return build_llama_stage(
+        mc,
+        pc,
+        mine,
+        tp_mode=cfg.parallelism.tp_mode,
+        seed=cfg.general.seed,
+        init_std=cfg.model.init_method.std,
+        dtype=DTYPES[cfg.model.dtype],
+        device=pc.device,
+    )
+
+
+class Trainer:
+    """Holds the parallel context, the TrainState and the per-step machinery."""
+
+    def __init__(self, cfg: Config, pc: ParallelContext, stream: TextIO = sys.stdout) -> None:
+        self.cfg, self.pc = cfg, pc
+        torch.manual_seed(cfg.general.seed)
+        random.seed(cfg.general.seed)
+        model = build_train_model(cfg, pc)  # perf.py: v chunks, recompute, async tp, compile
+        named = list(model.named_parameters())
+        self.tied = tied_parameters(model, pc)  # collective when pp > 1
+        tied_ids = {id(p) for g in self.tied.groups for p in g.params}
+        opt = cfg.optimizer
+        zero = opt.zero_stage if pc.dp_size > 1 else 0
+        self.zero_stage = zero
+        dtype = DTYPES[cfg.model.dtype]
+        self.grads = DataParallelGrads(
+            [p for _, p in named],
+            pc.dp_group,
+            pc.dp_size,
+            pc.dp_rank,
+            grad_dtype=torch.float32 if opt.accumulate_grad_in_fp32 else dtype,
+            bucket_cap_mb=cfg.model.ddp_bucket_cap_mb,
+            pad_to=pc.dp_size if zero else 1,
+            reduce_scatter=bool(zero) and pc.backend == "nccl",
+            full_reduce=tied_ids,
+        )
+        names = {id(p): n for n, p in named}
+        pieces = build_pieces(owned_ranges(self.grads, zero), names)
+        f = opt.optimizer_factory
+        optimizer = AdamWOnPieces(
+            pieces,
+            lr=opt.learning_rate_scheduler.learning_rate,
+            weight_decay=opt.weight_decay,
+            betas=(f.adam_beta1, f.adam_beta2),
+            eps=f.adam_eps,
+            fused=f.torch_adam_is_fused,
+        )
+        schedule = build_lr_schedule(opt.learning_rate_scheduler, cfg.tokens.train_steps)
+        data = build_data(cfg, pc)
+        self.state = TrainState(model, optimizer, schedule, data)
+        # Removes unfinished saves; resumes when checkpoints.resume_checkpoint_path is set.
+        self.last_saved = checkpoint_hooks.on_start(self)
+        self.counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
+        mc = padded_model_config(cfg)
+        self.flops_per_token = training_flops_per_token(mc, cfg.tokens.sequence_length)
+        self.peak_tflops = device_peak_tflops(pc.device, dtype)
+        self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
+        self.logger: MetricsLogger | None = None
+        if pc.rank == 0:  # stdout, metrics file, TensorBoard, wandb, dashboard
+            self.logger = build_metrics_logger(cfg, pc, stream, resumed_step=self.last_saved)
+            # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
+            self.state.extra["run_id"] = self.logger.run_id
+
+    def train_step(self) -> dict[str, Any]:
+        s, cfg, pc = self.state, self.cfg, self.pc
+        step = s.step + 1
+        self.profiler.begin_step()
+        t0 = time.perf_counter()
+        micro_batches = s.data.micro_batches(step)
+        micro_batches = [{k: v.to(pc.device) for k, v in mb.items()} for mb in micro_batches]
+        self.grads.zero_grad()
+        result = run_pipeline_step(
+            cfg.parallelism.pp_engine,
+            s.model,
+            micro_batches,
+            pc,
+            on_last_backward=self.grads.arm,
+        )
+        self.grads.finish()  # gradients are now the dp mean (ZeRO-1 on NCCL: own chunks)
+        self.tied.sync_gradients()  # sum each tied copy's gradient over first and last stage
+        norm = global_grad_norm(grad_norm_ranges(self.grads, self.zero_stage), None, self.counts)
+        if cfg.optimizer.clip_grad is not None:
+            clip_grads(self.grads.params, norm, cfg.optimizer.clip_grad)
+        lr = s.lr_schedule(step)
+        s.optimizer.step(lr)
+        if self.zero_stage:
+            all_gather_params(self.grads)
+        loss = self._global_mean_loss(result.loss)
+        if pc.device.type == "cuda":
+            torch.cuda.synchronize(pc.device)
+        seconds = time.perf_counter() - t0
+        tokens = self.cfg.global_batch_size * cfg.tokens.sequence_length
+        s.step = step
+        s.consumed_samples += cfg.global_batch_size
+        s.consumed_tokens += tokens
+        measure = StepMeasure(step, s.consumed_tokens, loss, norm, lr, seconds, tokens)
+        self.profiler.end_step()
+        return make_record(
+            measure,
+            pc.world_size,
+            self.flops_per_token,
+            self.peak_tflops,
+            peak_memory_bytes(pc.device),
+            cfg.global_batch_size,
+        )
+
+    def _global_mean_loss(self, last_stage_loss: float | None) -> float:
+        """Mean over the global batch: the last stage's micro-batch mean, averaged over dp."""
+        loss = loss_on_all_pp_ranks(last_stage_loss, self.pc)
+        if self.pc.dp_size == 1:
+            return loss
+        t = torch.tensor([loss], dtype=torch.float64, device=self.pc.device)
+        dist.all_reduce(t, group=self.pc.dp_group)
+        return float(t.item()) / self.pc.dp_size
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run until tokens.train_steps; return every step's record (on every rank)."""
+        records = []
+        interval = self.cfg.logging.iteration_step_info_interval
+        try:
+            while self.state.step < self.cfg.tokens.train_steps:
+                rec = self.train_step()
+                records.append(rec)
+                if self.logger is not None and rec["step"] % interval == 0:
+                    self.logger.log(rec)
+                saved = checkpoint_hooks.after_step(self, self.last_saved)
+                if saved is not None:
+                    self.last_saved = self.state.step
+                    if self.logger is not None:
+                        self.logger.checkpoint(saved)
+        except BaseException as exc:  # the dashboard shows the run as failed, with the error
+            if self.logger is not None:
+                self.logger.fail(exc)
+            raise
+        finally:
+            self.close()
+        return records
+
+    def close(self) -> None:
+        self.profiler.close()
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+        self.grads.remove_hooks()
+
+
+def train(
+    cfg: Config, pc: ParallelContext | None = None, stream: TextIO = sys.stdout
+) -> list[dict]:
+    """Train `cfg` to the end and return the per-step metric records.
+
+    With `pc=None` a ParallelContext is made from the config (and destroyed at the end);
+    tests pass a fresh one per layout to run several layouts in one launch.
+    """
+    own = pc is None
+    if pc is None:
+        par = cfg.parallelism
+        pc = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp)
+    try:
+        return Trainer(cfg, pc, stream).train()
+    finally:
+        if own:
+            pc.destroy()
