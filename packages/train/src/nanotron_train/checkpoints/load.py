@@ -1,0 +1,215 @@
+"""Resume from a checkpoint, in the layout it was saved with or any other.
+
+Every rank reads what its own shards need (verified against the sizes and checksums in
+checkpoint_metadata.json), so nothing is gathered on one rank. With the same layout the run
+continues bitwise (RNG states too); under another layout weights and Adam state are rebuilt
+exactly, the data position carries over in samples, and the RNGs are reseeded from
+(seed, step) because per-rank streams have no meaning in a different world.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanotron_train.checkpoints.errors import CheckpointError
+from nanotron_train.checkpoints.files import read_verified
+from nanotron_train.checkpoints.layout import (
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    ShardInfo,
+    canonical_name,
+    model_file,
+    optimizer_file,
+    rng_file,
+)
+from nanotron_train.checkpoints.save import _agree
+from nanotron_train.checkpoints.source import CheckpointSource
+from nanotron_train.lr_schedule import LRSchedule
+
+# Fields that change the model's parameters or maths; the rest (kernels, token ids) may differ.
+ARCH_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "hidden_act", "rope_interleaved",
+)  # fmt: skip
+
+
+def resolve_checkpoint(value: str, checkpoints_path: str | None) -> Path:
+    """`latest`, a checkpoints root (uses its latest.txt) or one step folder -> the step folder."""
+    if value == "latest":
+        if not checkpoints_path:
+            raise CheckpointError(
+                "--resume latest needs checkpoints.checkpoints_path in the config"
+            )
+        path = Path(checkpoints_path)
+    else:
+        path = Path(value)
+    if (path / METADATA_FILE).is_file():
+        return path
+    latest = path / LATEST_FILE
+    if latest.is_file():
+        step = latest.read_text().strip()
+        if not step.isdigit():
+            raise CheckpointError(f"{latest}: does not hold a step number ({step[:40]!r})")
+        return path / step
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint or checkpoints folder")
+    raise CheckpointError(
+        f"{path}: not a complete checkpoint (no {METADATA_FILE}) and no {LATEST_FILE}"
+    )
+
+
+def read_metadata(folder: Path) -> dict:
+    path = folder / METADATA_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {folder} is not a complete checkpoint") from None
+    except ValueError:
+        raise CheckpointError(f"{path}: not valid JSON") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {version!r}, this code reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def check_files(folder: Path, meta: dict) -> None:
+    """Every listed file exists with its recorded size (checksums are checked on read)."""
+    for rec in meta["files"]:
+        path = folder / rec["path"]
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing file (listed in {METADATA_FILE})")
+        size = path.stat().st_size
+        if size < rec["size"]:
+            raise CheckpointError(f"{path}: truncated ({size} of {rec['size']} bytes)")
+        if size != rec["size"]:
+            raise CheckpointError(
+                f"{path}: size mismatch ({size} bytes, metadata says {rec['size']})"
+            )
+
+
+def check_model_config(folder: Path, meta: dict, model_config) -> None:
+    saved, mine = meta.get("model_config") or {}, model_config.to_dict()
+    diff = [
+        f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
+        for k in ARCH_KEYS
+        if saved.get(k) != mine.get(k)
+    ]
+    if diff:
+        raise CheckpointError(
+            f"{folder / METADATA_FILE}: model config does not match ({'; '.join(diff)})"
+        )
+
+
+def _json(folder: Path, meta: dict, rel: str) -> dict:
+    records = {r["path"]: r for r in meta["files"]}
+    return json.loads(bytes(read_verified(folder / rel, records.get(rel))))
+
+
+def load_checkpoint(folder: str | Path, state, cfg, pc, zero_stage: int) -> dict:
+    """Fill `state` (a TrainState) from the checkpoint; collective; returns its metadata."""
+    folder = Path(folder)
+    error, meta = None, {}
+    try:
+        meta = _load(folder, state, cfg, pc, zero_stage)
+    except CheckpointError as exc:
+        error = str(exc)
+    except (OSError, KeyError, TypeError, RuntimeError) as exc:
+        error = f"{folder}: unreadable checkpoint ({type(exc).__name__}: {exc})"
+    _agree(pc, error)
+    return meta
+
+
+def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
+    meta = read_metadata(folder)
+    check_model_config(folder, meta, state.model.config)
+    check_files(folder, meta)
+    topo = meta["topology"]
+    same = (topo["dp"], topo["tp"], topo["pp"]) == (pc.dp_size, pc.tp_size, pc.pp_size)
+    src = CheckpointSource.open(folder, meta)
+    own = [model_file(pc.pp_rank, pc.tp_rank), optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_rank)]
+    src.prefetch(own if same else [])  # same layout: exactly this rank's shards
+    _load_model(src, state.model, pc)
+    if cfg.checkpoints.load_optimizer:
+        _load_optimizer(src, state.optimizer, pc)
+    src.release()
+    if cfg.checkpoints.load_lr_scheduler:
+        state.lr_schedule = LRSchedule(**_json(folder, meta, "lr_schedule.json"))
+    data = _json(folder, meta, "data_state.json")
+    state.data.load_state_dict(data["data"])
+    state.step = int(meta["step"])
+    state.consumed_samples = int(meta["consumed_samples"])
+    state.consumed_tokens = int(meta["consumed_tokens"])
+    if same:
+        records = {r["path"]: r for r in meta["files"]}
+        rel = rng_file(pc.rank)
+        raw = read_verified(folder / rel, records.get(rel))
+        set_rng(torch.load(io.BytesIO(bytes(raw)), weights_only=True))
+    else:
+        reseed(cfg.general.seed + state.step)
+    return meta
+
+
+@torch.no_grad()
+def _load_model(src: CheckpointSource, model: torch.nn.Module, pc) -> None:
+    for name, p in model.named_parameters():
+        target = ShardInfo.of(p, pc.tp_rank, pc.tp_size)
+        p.copy_(src.model_shard(canonical_name(name, p), target).to(p.dtype))
+
+
+@torch.no_grad()
+def _load_optimizer(src: CheckpointSource, optimizer, pc) -> None:
+    inner = optimizer.inner
+    for piece in optimizer.pieces:
+        name = canonical_name(piece.name, piece.param)
+        target = ShardInfo.of(piece.param, pc.tp_rank, pc.tp_size)
+        if src.has_state("master"):
+            piece.master.copy_(src.piece(name, "master", target, piece.start, piece.end))
+        elif piece.is_copy:
+            full = src.model_shard(name, target).reshape(-1)[piece.start : piece.end]
+            piece.master.copy_(full.to(piece.master.dtype))
+        if inner is None or not src.has_state("exp_avg"):
+            continue
+        # The moments may stay views of the verified read buffer (frombuffer keeps it alive).
+        fused = bool(inner.param_groups[0].get("fused"))
+        step = torch.tensor(float(src.adam_step), dtype=torch.float32)
+        # The moments may stay views of the verified read buffer (frombuffer keeps it alive).
+        moments = {
+            kind: src.piece(name, kind, target, piece.start, piece.end)
+            .to(piece.master)
+            .contiguous()
+            for kind in ("exp_avg", "exp_avg_sq")
+        }
+        inner.state[piece.master] = {
+            "step": step.to(piece.master.device) if fused else step,
+            **moments,
+        }
+
+
+def set_rng(state: dict) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+def reseed(seed: int) -> None:
+    """A different world: fresh deterministic streams from (seed, step)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
