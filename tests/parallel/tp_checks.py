@@ -225,7 +225,7 @@ def check_errors(pc: ParallelContext) -> list[str]:
         expect_error(
             lambda: ColumnParallelLinear(IN, OUT, group, "ALL_REDUCE", async_communication=True),
             "async_communication",
-            "not supported yet",
+            "needs tp_mode REDUCE_SCATTER",
         ),
         expect_error(
             lambda: ColumnParallelLinear(IN, tp + 1, group, "ALL_REDUCE"),

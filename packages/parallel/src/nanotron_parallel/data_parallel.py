@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 
 @dataclass
@@ -134,6 +135,10 @@ class DataParallelGrads:
         bucket.launched = True
         if self.dp_size == 1:
             return
+        with record_function("dp.reduce_launch"):
+            self._launch_collective(bucket)
+
+    def _launch_collective(self, bucket: Bucket) -> None:
         if self.reduce_scatter and not bucket.full:
             lo, hi = bucket.chunk_range(self.dp_rank, self.dp_size)
             bucket.scatter_out = torch.empty(
@@ -151,7 +156,8 @@ class DataParallelGrads:
             self._launch(bucket)
         for bucket in self.buckets:
             if bucket.handle is not None:
-                bucket.handle.wait()
+                with record_function("dp.reduce_wait"):
+                    bucket.handle.wait()
                 bucket.handle = None
             if bucket.scatter_out is not None:
                 lo, hi = bucket.chunk_range(self.dp_rank, self.dp_size)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 if TYPE_CHECKING:
     from nanotron_parallel.context import ParallelContext
@@ -164,6 +165,7 @@ class StageComm:
     next: int | None
     group: dist.ProcessGroup | None
     device: torch.device
+    stage: int = 0  # this pp rank, for the profiler's range names
 
     @staticmethod
     def from_context(pc: ParallelContext) -> StageComm:
@@ -171,7 +173,7 @@ class StageComm:
             # NCCL needs every rank of a group in its first collective before batched p2p
             # between a subset of them; one tiny all-reduce per step makes sure of it.
             dist.all_reduce(torch.zeros(1, device=pc.device), group=pc.pp_group)
-        return StageComm(pc.prev_stage_rank, pc.next_stage_rank, pc.pp_group, pc.device)
+        return StageComm(pc.prev_stage_rank, pc.next_stage_rank, pc.pp_group, pc.device, pc.pp_rank)
 
     def _exchange(
         self, send: torch.Tensor | None, dst: int | None, src: int | None
@@ -182,7 +184,8 @@ class StageComm:
             raise P2PError(f"nothing to send to stage rank {dst}, which waits for a tensor")
         if send is None and src is None:
             return None
-        return exchange(send, dst, src, self.group, self.device)
+        with record_function("pp.p2p"):
+            return exchange(send, dst, src, self.group, self.device)
 
     def recv_forward(self) -> torch.Tensor | None:
         return self._exchange(None, None, self.prev)

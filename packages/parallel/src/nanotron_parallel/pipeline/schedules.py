@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from nanotron_parallel.pipeline.p2p import StageComm
 
@@ -98,7 +99,8 @@ class _StageRun:
     n_backward: int = 0
 
     def forward(self, i: int, x: torch.Tensor | None) -> torch.Tensor:
-        y = self.tracker.forward(self.stage, x, self.micro_batches[i], i)
+        with record_function(f"pp.forward stage={self.comm.stage} mb={i}"):
+            y = self.tracker.forward(self.stage, x, self.micro_batches[i], i)
         if self.is_last:
             loss = y.detach().double()
             self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
@@ -111,7 +113,8 @@ class _StageRun:
         self.n_backward += 1
         if self.n_backward == len(self.micro_batches) and self.on_last_backward is not None:
             self.on_last_backward()
-        torch.autograd.backward(y, grad_tensors=grad_y)
+        with record_function(f"pp.backward stage={self.comm.stage} mb={i}"):
+            torch.autograd.backward(y, grad_tensors=grad_y)
         self.tracker.backward_done(i)
         if x is None or not x.requires_grad:
             return None
@@ -215,9 +218,16 @@ def run_pipeline_step(
     on_last_backward: Callable[[], None] | None = None,
 ) -> PipelineStepResult:
     """Run one training step's forwards and backwards with the named engine."""
+    if engine == "interleaved-1f1b":  # v chunks per rank: its own module
+        from nanotron_parallel.pipeline.interleaved import train_step_interleaved_1f1b
+
+        return train_step_interleaved_1f1b(
+            stage, micro_batches, pc, on_last_backward=on_last_backward
+        )
     if engine not in ENGINES:
         raise PipelineScheduleError(
-            f"parallelism.pp_engine must be one of {sorted(ENGINES)}, got {engine!r}"
+            f"parallelism.pp_engine must be one of {sorted(ENGINES)} or 'interleaved-1f1b', "
+            f"got {engine!r}"
         )
     return ENGINES[engine](stage, micro_batches, pc, on_last_backward=on_last_backward)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from nanotron_parallel.context import ParallelConfigError
 
@@ -35,7 +36,8 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if _world(group) == 1:
         return x
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    with record_function("tp.all_reduce"):
+        dist.all_reduce(out, group=group)
     return out
 
 
@@ -56,7 +58,8 @@ def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     # Gather along dim 0 of a permuted copy: concatenation commutes with the permutation.
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    _all_gather_tensor(out, moved, group=group)
+    with record_function("tp.all_gather"):
+        _all_gather_tensor(out, moved, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -68,10 +71,12 @@ def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     if dist.get_backend(group) == "nccl":
         out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
-        _reduce_scatter_tensor(out, moved, group=group)
+        with record_function("tp.reduce_scatter"):
+            _reduce_scatter_tensor(out, moved, group=group)
     else:
         summed = moved.clone()
-        dist.all_reduce(summed, group=group)
+        with record_function("tp.reduce_scatter"):
+            dist.all_reduce(summed, group=group)
         out = summed.chunk(world, dim=0)[dist.get_rank(group)]
     return out.movedim(0, dim).contiguous()
 

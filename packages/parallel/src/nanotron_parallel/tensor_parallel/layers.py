@@ -18,6 +18,7 @@ from torch import nn
 
 from nanotron_parallel.context import ParallelConfigError
 from nanotron_parallel.sharding import ParamMeta, set_param_meta, shard_tensor
+from nanotron_parallel.tensor_parallel.async_linear import async_column_linear, async_row_linear
 from nanotron_parallel.tensor_parallel.functional import (
     all_gather_to_tp,
     copy_to_tp,
@@ -40,12 +41,13 @@ def _mode(mode: TensorParallelLinearMode | str) -> TensorParallelLinearMode:
         raise ParallelConfigError(f"tp_mode={mode!r} must be one of {choices}") from None
 
 
-def _no_async(async_communication: bool, layer: str) -> None:
-    if async_communication:
+def _check_async(async_communication: bool, mode: TensorParallelLinearMode, layer: str) -> bool:
+    if async_communication and mode is not TensorParallelLinearMode.REDUCE_SCATTER:
         raise ParallelConfigError(
-            f"{layer}: async_communication=True (tp_linear_async_communication) is not "
-            "supported yet; set it to false"
+            f"{layer}: async_communication=True (tp_linear_async_communication) needs "
+            f"tp_mode REDUCE_SCATTER, got {mode.value}"
         )
+    return bool(async_communication)
 
 
 def _tp_divide(size: int, tp: int, what: str, hint: str = "") -> int:
@@ -150,8 +152,10 @@ class ColumnParallelLinear(_TPLinearBase):
         sections: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        _no_async(async_communication, "ColumnParallelLinear")
         self.group, self.mode = group, _mode(mode)
+        self.async_communication = _check_async(
+            async_communication, self.mode, "ColumnParallelLinear"
+        )
         self.tp_rank, self.tp_size = _group_coords(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
@@ -183,11 +187,12 @@ class ColumnParallelLinear(_TPLinearBase):
         return shard_tensor(bias, 0, self.tp_rank, self.tp_size, self.sections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode is TensorParallelLinearMode.ALL_REDUCE:
-            x = copy_to_tp(x, self.group)
+        if self.async_communication and self.tp_size > 1:
+            y = async_column_linear(x, self.weight, self.bias, self.group)  # overlapped gather
+        elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
+            y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
         else:
-            x = all_gather_to_tp(x, self.group, dim=0)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(all_gather_to_tp(x, self.group, dim=0), self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tp(y, self.group, dim=-1)
         return y
@@ -218,8 +223,8 @@ class RowParallelLinear(_TPLinearBase):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _no_async(async_communication, "RowParallelLinear")
         self.group, self.mode = group, _mode(mode)
+        self.async_communication = _check_async(async_communication, self.mode, "RowParallelLinear")
         self.tp_rank, self.tp_size = _group_coords(group)
         self.in_features, self.out_features = in_features, out_features
         local_in = _tp_divide(in_features, self.tp_size, "RowParallelLinear in_features")
@@ -241,11 +246,12 @@ class RowParallelLinear(_TPLinearBase):
         return bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.mode is TensorParallelLinearMode.ALL_REDUCE:
-            y = reduce_from_tp(y, self.group)
+        if self.async_communication and self.tp_size > 1:
+            y = async_row_linear(x, self.weight, self.group)  # backward overlaps its gather
+        elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
+            y = reduce_from_tp(F.linear(x, self.weight), self.group)
         else:
-            y = reduce_scatter_from_tp(y, self.group, dim=0)
+            y = reduce_scatter_from_tp(F.linear(x, self.weight), self.group, dim=0)
         if self.bias is not None:
             # The bias is replicated; in REDUCE_SCATTER mode each rank only sees its sequence
             # chunk, so copy_to_tp sums the bias gradient over tp to make it the full one.

@@ -1,0 +1,145 @@
+"""Sequence-parallel linears whose communication overlaps their matmuls (REDUCE_SCATTER mode).
+
+`tp_linear_async_communication: true` swaps the synchronous collective-then-matmul of the
+column- and row-parallel linears for these autograd functions:
+
+- column forward: start the all-gather of the sequence-sharded input, compute this rank's own
+  sequence chunk of the output while the other chunks travel, then the rest;
+- column backward: start the reduce-scatter of the input gradient, compute the weight
+  gradient while it runs;
+- row backward: start the all-gather of the output gradient, compute this rank's own chunk of
+  the input and weight gradients while the other chunks travel, then the rest.
+
+The sums are the same as the synchronous path's, only split by sequence chunk, so results agree
+to fp32 rounding. Collectives use `async_op=True`, which gloo (a background thread) and NCCL (a
+side stream) both run while the host keeps computing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.profiler import record_function
+
+from nanotron_parallel.tensor_parallel.functional import _all_gather_tensor, _reduce_scatter_tensor
+
+Group = dist.ProcessGroup | None
+
+
+def _start_all_gather(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, dist.Work]:
+    """Begin gathering dim 0 of `x` from every tp rank; returns (buffer, handle)."""
+    x = x.contiguous()
+    world = dist.get_world_size(group)
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    return out, _all_gather_tensor(out, x, group=group, async_op=True)
+
+
+def _start_reduce_scatter(x: torch.Tensor, group: Group):
+    """Begin summing `x` over tp, keeping this rank's chunk of dim 0. Returns a function that
+    waits and gives the chunk (gloo has no native reduce-scatter: all-reduce then slice)."""
+    x = x.contiguous()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "nccl":
+        out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+        handle = _reduce_scatter_tensor(out, x, group=group, async_op=True)
+        return lambda: (handle.wait(), out)[1]
+    handle = dist.all_reduce(x, group=group, async_op=True)
+    return lambda: (handle.wait(), x.chunk(world, dim=0)[rank].contiguous())[1]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _AsyncColumnLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T + b, gathering while computing."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        with record_function("tp.all_gather.async"):
+            full, handle = _start_all_gather(x, group)
+        own = F.linear(x, weight, bias)  # overlaps the gather
+        handle.wait()
+        n = x.shape[0]
+        parts = [
+            own if j == rank else F.linear(full[j * n : (j + 1) * n], weight, bias)
+            for j in range(world)
+        ]
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(full, weight)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        full, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        finish = None
+        if ctx.needs_input_grad[0]:
+            with record_function("tp.reduce_scatter.async"):
+                finish = _start_reduce_scatter(grad_y.matmul(weight), ctx.group)
+        if ctx.needs_input_grad[1]:  # overlaps the reduce-scatter
+            grad_w = _flat(grad_y).t().matmul(_flat(full)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = _flat(grad_y).sum(0)
+        if finish is not None:
+            grad_x = finish()
+        return grad_x, grad_w, grad_b, None
+
+
+class _AsyncRowLinear(torch.autograd.Function):
+    """reduce_scatter_seq(x W^T); the backward gathers the gradient while computing."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        with record_function("tp.reduce_scatter"):
+            out = _start_reduce_scatter(F.linear(x, weight), group)()
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        with record_function("tp.all_gather.async"):
+            full, handle = _start_all_gather(grad_out, group)
+        n = grad_out.shape[0]
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+
+        def chunk_grads(g: torch.Tensor, j: int):
+            gx = g.matmul(weight) if want_x else None
+            gw = _flat(g).t().matmul(_flat(x[j * n : (j + 1) * n])) if want_w else None
+            return gx, gw
+
+        own = chunk_grads(grad_out, rank)  # overlaps the gather
+        handle.wait()
+        per_chunk = [
+            own if j == rank else chunk_grads(full[j * n : (j + 1) * n], j) for j in range(world)
+        ]
+        grad_x = torch.cat([gx for gx, _ in per_chunk], dim=0) if want_x else None
+        grad_w = None
+        if want_w:
+            grad_w = per_chunk[0][1]
+            for _, gw in per_chunk[1:]:
+                grad_w = grad_w + gw
+            grad_w = grad_w.to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+def async_column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+) -> torch.Tensor:
+    """Column-parallel linear of a sequence-sharded input `[s/tp, b, in]` -> `[s, b, out/tp]`."""
+    return _AsyncColumnLinear.apply(x, weight, bias, group)
+
+
+def async_row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+    """Row-parallel linear `[s, b, in/tp]` -> reduce-scattered `[s/tp, b, out]` (no bias)."""
+    if x.shape[0] % dist.get_world_size(group) != 0:
+        raise ValueError(
+            f"sequence length {x.shape[0]} is not divisible by tp={dist.get_world_size(group)}"
+        )
+    return _AsyncRowLinear.apply(x, weight, group)
