@@ -52,23 +52,42 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     raise ValueError(f"unknown attention backend {requested!r}")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
-    """Causal attention; returns [s_q, b, heads, d]."""
-    if backend == "flash_attn":
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: str,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention; returns [s_q, b, heads, d].
+
+    `key_mask` [b, s_k] (True = a real token) hides left padding of batched prompts from every
+    query; it is decoding's case and always runs through sdpa.
+    """
+    if backend == "flash_attn" and key_mask is None:
         from flash_attn import flash_attn_func
 
         # flash-attn wants [b, s, heads, d] and aligns the causal mask bottom-right.
         out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True)
         return out.transpose(0, 1)
-    return _sdpa(q, k, v)
+    return _sdpa(q, k, v, key_mask)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     s_q, s_k = q.shape[0], k.shape[0]
     # [s, b, heads, d] -> [b, heads, s, d]; GQA without materialising repeated kv heads.
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    if s_q == s_k:
+    if key_mask is not None:
+        # Query i sits at key index s_k - s_q + i: it sees earlier real keys, and always itself
+        # so that a padding row never has an empty softmax (its output is unused but finite).
+        rows = torch.arange(s_q, device=q.device)[:, None] + (s_k - s_q)
+        cols = torch.arange(s_k, device=q.device)[None, :]
+        allowed = ((cols <= rows)[None] & key_mask[:, None, :]) | (cols == rows)[None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=gqa)
+    elif s_q == s_k:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif s_q == 1:
         out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)

@@ -117,6 +117,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, (heads + 2 kv) * d / tp], the full sequence
         s, b = qkv.shape[0], qkv.shape[1]
@@ -136,7 +137,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         backend = resolve_backend(self.backend, x.device)
-        out = attention(q, k, v, backend)  # [s, b, heads, d]
+        out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
         return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))
 
 
@@ -178,7 +179,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: Batch, *, kv_cache: KVCache | None = None
     ) -> torch.Tensor:
         position_ids = batch.get("position_ids")
-        x = x + self.attn(self.input_norm(x), position_ids, kv_cache)
+        x = x + self.attn(self.input_norm(x), position_ids, kv_cache, batch.get("key_mask"))
         return x + self.mlp(self.post_attn_norm(x))
 
 

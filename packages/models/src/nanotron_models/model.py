@@ -80,9 +80,11 @@ class LlamaStage(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Full logits [b, s, vocab] (gathered over tp, vocab padding dropped) for new tokens
-        `input_ids` [b, s]; with `kv_cache`, the tokens continue the cached ones.
+        `input_ids` [b, s]; with `kv_cache`, the tokens continue the cached ones. `key_mask`
+        [b, cached + s] (True = real token) hides the left padding of batched prompts.
 
         Needs a stage holding embedding .. lm_head (pp = 1). In REDUCE_SCATTER mode the new
         tokens are right-padded to a multiple of tp (causality keeps the real tokens exact and
@@ -98,9 +100,13 @@ class LlamaStage(nn.Module):
             input_ids = torch.cat((input_ids, input_ids[:, -1:].expand(b, pad)), dim=1)
             if position_ids is not None:
                 position_ids = torch.cat((position_ids, position_ids[:, -1:].expand(b, pad)), dim=1)
+            if key_mask is not None:
+                key_mask = torch.cat((key_mask, key_mask.new_ones(b, pad)), dim=1)
         batch: Batch = {"input_ids": input_ids}
         if position_ids is not None:
             batch["position_ids"] = position_ids
+        if key_mask is not None:
+            batch["key_mask"] = key_mask
         x = self.embedding(None, batch)
         for layer in self.decoder.values():
             x = layer(x, batch, kv_cache=kv_cache)

@@ -1,0 +1,251 @@
+"""Hugging Face export and import of checkpoints.
+
+    python -m nanotron_train.convert to-hf --ckpt-path CKPT --out DIR
+    python -m nanotron_train.convert from-hf --hf-path DIR --out CKPT [--config-file C.yaml]
+
+to-hf writes a folder `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)` load: model.safetensors in the checkpoint's dtype,
+config.json (rope, tie, token ids), generation_config.json and the tokenizer files.
+from-hf writes `<CKPT>/<step>/` (step 0 unless --step) that the trainer resumes from in any
+layout: the weights, a fresh optimizer state, and the training config (--config-file, or one
+derived from the HF config). A user error prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from nanotron_train.hf_folder import (
+    HFFolderError,
+    check_writable,
+    copy_tokenizer_files,
+    hf_dtype_name,
+    read_hf_config,
+    read_hf_weights,
+    write_folder_atomically,
+)
+
+
+def to_hf(ckpt_path: str | Path, out: str | Path, *, overwrite: bool = False, tokenizer=True):
+    """Export a checkpoint (any layout) as a Hugging Face Llama folder; returns its path."""
+    from nanotron_train.model_io import full_model_tensors, load_tokenizer_of, open_checkpoint
+
+    check_writable(Path(out), overwrite)
+    ckpt = open_checkpoint(ckpt_path)
+    tok = load_tokenizer_of(ckpt) if tokenizer else None
+    # transformers is slow to import: only once the inputs are known to be good.
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    from nanotron_models.hf import config_to_hf, our_full_state_dict_to_hf
+
+    config = ckpt.model_config
+    if tok is not None:  # the ids the tokenizer really uses (training configs keep defaults)
+        config = replace(config, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    hf_sd = our_full_state_dict_to_hf(full_model_tensors(ckpt), config)
+    if config.tie_word_embeddings:
+        del hf_sd["lm_head.weight"]  # one storage, as save_pretrained writes tied weights
+    hf_config = config_to_hf(config)
+    hf_config.architectures = ["LlamaForCausalLM"]
+    hf_config.dtype = ckpt.dtype
+
+    def fill(tmp: Path) -> None:
+        save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        hf_config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
+        if tok is not None:
+            _write_tokenizer(tok, tmp)
+
+    return write_folder_atomically(Path(out), fill, overwrite)
+
+
+def _write_tokenizer(tok, dst: Path) -> None:
+    src = Path(tok.path).parent
+    copied = copy_tokenizer_files(src, dst)
+    if "tokenizer.json" not in copied:
+        (dst / "tokenizer.json").write_bytes(Path(tok.path).read_bytes())
+    if "tokenizer_config.json" not in copied:  # a bare tokenizer.json: describe it
+        eos = tok.tokenizer.id_to_token(tok.eos_token_id)
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos}
+        (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _derived_config(hf: dict, model_config, dtype: str, tokenizer: str | None, out: Path):
+    """A sensible fine-tuning config for an imported model (edit data_stages before use)."""
+    from nanotron_train.config import config_from_dict
+
+    seq = min(2048, model_config.max_position_embeddings)
+    raw = {
+        "general": {"project": "nanotron", "run": "from-hf", "seed": 42},
+        "model": {
+            "model_config": model_config.to_dict(),
+            "init_method": {"std": model_config.initializer_range},
+            "dtype": dtype,
+        },
+        "tokenizer": {"tokenizer_name_or_path": tokenizer},
+        "tokens": {
+            "sequence_length": seq,
+            "micro_batch_size": 1,
+            "batch_accumulation_per_replica": 1,
+            "train_steps": 1000,
+        },
+        "optimizer": {
+            "learning_rate_scheduler": {
+                "learning_rate": 3.0e-5,
+                "lr_warmup_steps": 10,
+                "lr_decay_style": "cosine",
+                "min_decay_lr": 3.0e-6,
+            },
+            "weight_decay": 0.01,
+            "clip_grad": 1.0,
+        },
+        "checkpoints": {
+            "checkpoints_path": str(out.resolve()),
+            "checkpoint_interval": 100,
+            "resume_checkpoint_path": str(out.resolve()),  # start from the imported weights
+        },
+    }
+    return config_from_dict(raw, f"<derived from {hf.get('_name_or_path') or 'config.json'}>")
+
+
+def _check_same_model(cfg, model_config, config_file: str) -> None:
+    from nanotron_train.checkpoints.load import ARCH_KEYS
+    from nanotron_train.trainer import padded_model_config
+
+    mine, theirs = padded_model_config(cfg).to_dict(), model_config.to_dict()
+    diff = [f"{k}: config {mine[k]!r}, HF {theirs[k]!r}" for k in ARCH_KEYS if mine[k] != theirs[k]]
+    if diff:
+        raise HFFolderError(
+            f"{config_file}: model.model_config does not describe the HF model "
+            f"({'; '.join(diff)}; the vocab is after make_vocab_size_divisible_by)"
+        )
+
+
+def _data_state(cfg, step: int) -> dict:
+    """The data position of a run that has consumed nothing yet, at `step`."""
+    if all(s.data.dataset is None for s in cfg.data_stages):
+        return {"consumed_samples": 0}
+    from nanotron_train.data.train_data import STATE_VERSION
+
+    names = [s.name for s in cfg.data_stages if s.start_training_step <= max(step, 1)]
+    return {
+        "version": STATE_VERSION,
+        "step": step,
+        "consumed_samples": 0,
+        "stage_index": len(names) - 1,
+        "stage_name": names[-1],
+        "stage_consumed_samples": 0,
+        "dataset_consumed_samples": None,
+        "stages_consumed_samples": {},
+    }
+
+
+def from_hf(
+    hf_path: str | Path, out: str | Path, *, config_file: str | None = None, step: int = 0
+) -> Path:
+    """Import a Hugging Face Llama folder as `<out>/<step>/`; returns the step folder."""
+    from nanotron_models import build_llama, load_full_state_dict
+    from nanotron_models.hf import config_from_hf, hf_state_dict_to_ours_full
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.checkpoints import CheckpointError, save_checkpoint
+    from nanotron_train.config import load_config
+    from nanotron_train.lr_schedule import build_lr_schedule
+    from nanotron_train.model_io import DTYPES
+    from nanotron_train.trainer import padded_model_config
+
+    hf_dir, out = Path(hf_path), Path(out)
+    if step < 0:
+        raise HFFolderError(f"--step must be >= 0, got {step}")
+    hf = read_hf_config(hf_dir)
+    model_config = config_from_hf(hf).validate()
+    has_tokenizer = (hf_dir / "tokenizer.json").is_file()
+    tok_dir = out / "tokenizer"
+    if config_file:
+        cfg = load_config(config_file)
+        _check_same_model(cfg, model_config, config_file)
+    else:
+        tok = str(tok_dir.resolve()) if has_tokenizer else None
+        cfg = _derived_config(hf, model_config, hf_dtype_name(hf), tok, out)
+    if (out / str(step)).exists():
+        raise CheckpointError(f"{out / str(step)}: already exists; choose another --out or --step")
+    hf_sd = read_hf_weights(hf_dir)
+    pc = ParallelContext()
+    try:
+        torch.manual_seed(cfg.general.seed)
+        mc = padded_model_config(cfg)
+        model = build_llama(mc, pc, dtype=DTYPES[cfg.model.dtype], seed=cfg.general.seed)
+        load_full_state_dict(model, hf_state_dict_to_ours_full(hf_sd, mc))
+        if has_tokenizer and not tok_dir.exists():
+            write_folder_atomically(tok_dir, lambda d: copy_tokenizer_files(hf_dir, d), False)
+        # The state a run at `step` would checkpoint, before any optimizer step was taken.
+        state = SimpleNamespace(
+            model=model,
+            optimizer=SimpleNamespace(pieces=[], inner=None),
+            lr_schedule=build_lr_schedule(
+                cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
+            ),
+            data=SimpleNamespace(state_dict=lambda: _data_state(cfg, step)),
+            step=step,
+            consumed_samples=0,
+            consumed_tokens=0,
+        )
+        random.seed(cfg.general.seed)
+        np.random.seed(cfg.general.seed % 2**32)
+        return save_checkpoint(out, state, cfg, pc, zero_stage=0)
+    finally:
+        pc.destroy()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m nanotron_train.convert", description="Hugging Face export and import"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("to-hf", help="checkpoint -> Hugging Face folder")
+    a.add_argument(
+        "--ckpt-path", required=True, help="a checkpoint step folder or checkpoints root"
+    )
+    a.add_argument("--out", required=True, help="the folder to write")
+    a.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    a.add_argument(
+        "--no-tokenizer", action="store_true", help="export without tokenizer files (no tokenizer)"
+    )
+    b = sub.add_parser("from-hf", help="Hugging Face folder -> checkpoint")
+    b.add_argument("--hf-path", required=True, help="a local Hugging Face Llama folder")
+    b.add_argument("--out", required=True, help="the checkpoints folder to write <out>/<step>/ in")
+    b.add_argument("--config-file", help="the training config to store (default: derived)")
+    b.add_argument("--step", type=int, default=0, help="the step the checkpoint is at (default 0)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "to-hf":
+            path = to_hf(
+                args.ckpt_path, args.out, overwrite=args.overwrite, tokenizer=not args.no_tokenizer
+            )
+            print(f"wrote {path} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+        else:
+            path = from_hf(args.hf_path, args.out, config_file=args.config_file, step=args.step)
+            print(
+                f"wrote {path}; fine-tune with: python -m nanotron_train "
+                f"--config-file {path / 'config.yaml'} --resume {path}"
+            )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

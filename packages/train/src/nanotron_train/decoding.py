@@ -1,0 +1,142 @@
+"""Batched decoding of prompts of different lengths with the KV cache (pp = 1, any tp).
+
+Prompts are left-padded to one length. Each sequence keeps its own positions (0 at its first
+real token, as Hugging Face computes them from the attention mask) and a key mask hides the
+padding from every query, so a prompt's tokens do not depend on the others in the batch.
+
+`LlamaStage.logits` takes that key mask and the per-sequence positions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from nanotron_models import KVCache
+from nanotron_train.sampling import SamplingParams, make_generator, next_tokens
+
+
+class DecodingError(ValueError):
+    """Prompts or lengths that cannot be decoded; the message names the option."""
+
+
+@dataclass
+class GenerationResult:
+    """Per prompt: the new token ids (up to and including EOS); timings of the two phases."""
+
+    tokens: list[list[int]]
+    prompt_tokens: int = 0  # real (unpadded) prompt tokens in the batch
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0  # tokens of unfinished rows made by the steps after the prefill
+    steps: list[float] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@torch.no_grad()
+def masked_logits(
+    stage, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor, cache
+) -> torch.Tensor:
+    """Full logits [b, s, vocab] of new tokens `input_ids` [b, s] continuing `cache`.
+
+    `key_mask` [b, cache.offset + s] is True at real tokens, False at padding.
+    """
+    return stage.logits(input_ids, position_ids, cache, key_mask)
+
+
+def _agree_over_tp(tokens: torch.Tensor, pc) -> torch.Tensor:
+    """Every tp rank takes tp rank 0's tokens (sampling is seeded alike; this makes it certain)."""
+    if pc.tp_size > 1:
+        dist.broadcast(tokens, src=pc.tp_ranks[0], group=pc.tp_group)
+    return tokens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pad_prompts(
+    prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded ids [b, L]; positions and key mask [b, L + max_new_tokens] (True = real)."""
+    longest = max(len(p) for p in prompts)
+    pads = torch.tensor([longest - len(p) for p in prompts], device=device)
+    ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
+    cols = torch.arange(longest + max_new_tokens, device=device)
+    key_mask = cols[None, :] >= pads[:, None]
+    positions = (cols[None, :] - pads[:, None]).clamp(min=0)  # 0 at each first real token
+    return ids, positions, key_mask
+
+
+@torch.no_grad()
+def generate(
+    stage,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+) -> GenerationResult:
+    """Continue every prompt (token ids) in one batch; collective over the tp group.
+
+    Stops a row at EOS (kept in its output) and the batch when every row stopped or after
+    `max_new_tokens`. Greedy when `sampling` is None or its temperature is 0.
+    """
+    sampling = (sampling or SamplingParams()).validate()
+    if max_new_tokens < 1:
+        raise DecodingError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DecodingError("every prompt needs at least one token")
+    limit = stage.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise DecodingError(
+            f"a prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} exceeds "
+            f"the model's max_position_embeddings ({limit})"
+        )
+    device = next(stage.parameters()).device
+    b = len(prompts)
+    ids, positions, key_mask = pad_prompts(prompts, max_new_tokens, pad_token_id, device)
+    generator = None if sampling.greedy else make_generator(sampling, device)
+    cache = KVCache()
+    out = [[] for _ in prompts]
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    result = GenerationResult(out, prompt_tokens=sum(len(p) for p in prompts))
+    new, start = ids, 0
+    _sync(device)
+    t0 = time.perf_counter()
+    for step in range(max_new_tokens):
+        end = start + new.shape[1]
+        logits = masked_logits(stage, new, positions[:, start:end], key_mask[:, :end], cache)
+        token = _agree_over_tp(next_tokens(logits[:, -1], sampling, generator), stage.pc)
+        if eos_token_id is not None:
+            token = token.masked_fill(done, eos_token_id)
+        added = 0
+        for i, (t, finished) in enumerate(
+            zip(token.tolist(), done.tolist())
+        ):  # waits for the device
+            if not finished:
+                out[i].append(t)
+                added += 1
+        if eos_token_id is not None:
+            done |= token == eos_token_id
+        now = time.perf_counter()
+        result.steps.append(now - t0)
+        if step == 0:
+            result.prefill_s = now - t0
+        else:
+            result.decode_tokens += added
+        if bool(done.all()):
+            break
+        new, start = token[:, None], end
+    result.decode_s = result.steps[-1] - result.prefill_s
+    return result

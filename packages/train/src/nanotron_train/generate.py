@@ -1,0 +1,154 @@
+"""`torchrun --nproc_per_node=N -m nanotron_train.generate --ckpt-path CKPT --prompt TEXT ...`
+
+Loads a checkpoint (saved in any layout) at tp = N, pp = 1, encodes the prompts with the
+checkpoint's tokenizer, decodes them in one left-padded batch with the KV cache (greedy at
+temperature 0, else top-k / top-p sampling from --seed), prints each prompt and its
+continuation, then the decode speed. `python -m nanotron_train.generate ...` runs one process.
+A user error prints one line from rank 0 and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from nanotron_train.model_io import DTYPES
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m nanotron_train.generate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--ckpt-path", required=True, help="a checkpoint step folder or checkpoints root"
+    )
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: all ranks)")
+    p.add_argument("--pp", type=int, default=1, help="only 1: decoding is not pipelined")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the training dtype")
+    p.add_argument("--output-json", help="also write prompts, token ids and texts to this file")
+    return p.parse_args(argv)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    from nanotron_train.decoding import DecodingError
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            text = Path(args.prompts_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise DecodingError(f"--prompts-file {args.prompts_file}: {exc.strerror}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise DecodingError("no prompt: give --prompt TEXT (repeatable) or --prompts-file FILE")
+    return prompts
+
+
+def run(args: argparse.Namespace, pc) -> dict:
+    """Generate on every rank of `pc` (tp ranks only); returns the report (same on all ranks)."""
+    from nanotron_train.decoding import generate
+    from nanotron_train.model_io import load_model, load_tokenizer_of, open_checkpoint
+    from nanotron_train.sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    prompts = read_prompts(args)
+    ckpt = open_checkpoint(args.ckpt_path)
+    tok = load_tokenizer_of(ckpt)
+    eos = tok.eos_token_id
+    # An empty prompt starts a new document: EOS is what precedes one in the training data.
+    ids = [tok.encode(p) or [eos] for p in prompts]
+    model = load_model(ckpt, pc, DTYPES[args.dtype] if args.dtype else None)
+    res = generate(model, ids, args.max_new_tokens, sampling, eos_token_id=eos, pad_token_id=eos)
+    items = []
+    for prompt, p_ids, new in zip(prompts, ids, res.tokens):
+        text_ids = new[:-1] if new and new[-1] == eos else new
+        items.append(
+            {
+                "prompt": prompt,
+                "prompt_ids": p_ids,
+                "new_ids": new,
+                "continuation": tok.decode(text_ids),
+            }
+        )
+    return {
+        "checkpoint": str(ckpt.folder),
+        "tp": pc.tp_size,
+        "sampling": dataclasses.asdict(sampling),
+        "results": items,
+        "prompt_tokens": res.prompt_tokens,
+        "prefill_s": res.prefill_s,
+        "decode_s": res.decode_s,
+        "decode_tokens": res.decode_tokens,
+        "decode_tokens_per_s": res.decode_tokens_per_s,
+    }
+
+
+def print_report(report: dict, stream=None) -> None:
+    stream = stream if stream is not None else sys.stdout
+    for i, item in enumerate(report["results"]):
+        print(f"=== [{i}] prompt ({len(item['prompt_ids'])} tokens) ===", file=stream)
+        print(item["prompt"], file=stream)
+        print(f"--- [{i}] continuation ({len(item['new_ids'])} tokens) ---", file=stream)
+        print(item["continuation"], file=stream)
+    print(
+        f"prefill: {report['prompt_tokens']} prompt tokens in {report['prefill_s']:.3f} s | "
+        f"decode: {report['decode_tokens']} tokens in {report['decode_s']:.3f} s = "
+        f"{report['decode_tokens_per_s']:.1f} tokens/s (tp={report['tp']})",
+        file=stream,
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pc = None
+    try:
+        tp = args.tp if args.tp is not None else world
+        if args.pp != 1:
+            raise ValueError(
+                f"--pp {args.pp}: pipelined decoding is not supported; use --pp 1 (a checkpoint "
+                "saved with any pp loads at pp=1, split over tp)"
+            )
+        if tp != world:
+            raise ValueError(
+                f"--tp {tp} must equal the number of processes ({world}): launch with "
+                f"torchrun --nproc_per_node={tp}"
+            )
+        from nanotron_parallel.context import ParallelContext
+
+        pc = ParallelContext(dp=1, tp=tp, pp=1)
+        with torch.no_grad():
+            report = run(args, pc)
+    except ValueError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if pc is not None:
+            pc.destroy()
+    if rank == 0:
+        print_report(report)
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
