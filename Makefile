@@ -16,7 +16,7 @@ $(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	$(PY) -m pip install -q -c constraints.txt \
-		-e packages/parallel -e "packages/models[hf]" -e "packages/train[hf]" -e packages/dashboard \
+		-e packages/parallel -e "packages/models[hf]" -e "packages/train[hf,tensorboard,wandb]" -e packages/dashboard \
 		--group dev
 	touch $(STAMP)
 
@@ -41,9 +41,15 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The quickstart: prepare the default corpus (once), start the dashboard in the background on
+# 127.0.0.1:$(PORT) (pid and log in .cache/), train configs/quickstart-cpu.yaml streaming to it.
+PORT ?= 8008
 run: setup
-	@echo "make run: the quickstart (train the tiny Llama on the CPU and stream it to the dashboard)"
-	@echo "is filled in by the trainer, data and dashboard issues; nothing to run yet."
+	$(PY) -m nanotron_train.quickstart run --port $(PORT)
+
+# Stops the dashboard that `make run` started.
+stop:
+	@if test -x $(PY); then $(PY) -m nanotron_train.quickstart stop; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -61,10 +61,14 @@ class DashboardClient:
         run_id: str,
         token: str | None = None,
         metrics_file: str | None = None,
+        start_offset: int = 0,
         queue_size: int = 10000,
         heartbeat_s: float = 10.0,
     ) -> None:
         self.url = url
+        # The metrics file is appended to across launches (a resumed run, a second `make run`):
+        # only what this launch wrote, from byte `start_offset` on, is replayed as this run's.
+        self.start_offset = start_offset
         self.ws_url = ingest_url(url)
         self.run_id = run_id
         self.token = token
@@ -273,7 +277,8 @@ class DashboardClient:
                 return [r for r in self._history if r["step"] > step]
         out: list[dict[str, Any]] = []
         try:
-            with open(self.metrics_file) as f:  # type: ignore[arg-type]
+            with open(self.metrics_file, "rb") as f:  # type: ignore[arg-type]
+                f.seek(self.start_offset)
                 for line in f:
                     try:
                         rec = json.loads(line)

@@ -1,0 +1,75 @@
+"""`make run` / `make stop` pieces: the background dashboard's start, reuse and stop, a port
+held by something else, and the quickstart config's layout and command."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from nanotron_train.config import load_config
+from nanotron_train.quickstart import (
+    CONFIG,
+    DashboardFiles,
+    QuickstartError,
+    start_dashboard,
+    stop_dashboard,
+    train_command,
+)
+from tests.dashboard.dashboard_helpers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_dashboard_started_once_reused_and_stopped(tmp_path):
+    files = DashboardFiles(tmp_path / "runs.db", tmp_path / "d.pid", tmp_path / "d.log")
+    port = free_port()
+    url, started = start_dashboard(port, files)
+    try:
+        assert (url, started) == (f"http://127.0.0.1:{port}", True)
+        pid = int(files.pid.read_text())
+        assert files.db.is_file()
+        assert start_dashboard(port, files) == (url, False)  # already answering: reused
+        assert int(files.pid.read_text()) == pid
+    finally:
+        assert stop_dashboard(files) is True
+    assert not files.pid.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert stop_dashboard(files) is False  # nothing left to stop
+
+
+def test_port_held_by_another_program_is_one_clear_error(tmp_path):
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    server.RequestHandlerClass.log_message = lambda *a: None
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        files = DashboardFiles(tmp_path / "runs.db", tmp_path / "d.pid", tmp_path / "d.log")
+        with pytest.raises(QuickstartError, match=f"127.0.0.1:{server.server_port}"):
+            start_dashboard(server.server_port, files)
+        assert not files.pid.exists()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_quickstart_config_and_command():
+    nanoset, tok = Path(".cache/data/x/nanoset"), Path(".cache/data/x/tokenizer")
+    cmd = train_command(nanoset, tok, "http://127.0.0.1:8008", 4, None)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    overrides = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--override"]
+    assert overrides == [
+        f"data_stages.0.data.dataset.dataset_folder={nanoset}",
+        f"tokenizer.tokenizer_name_or_path={tok}",
+        "logging.dashboard_url=http://127.0.0.1:8008",
+    ]
+    cfg = load_config(str(REPO / CONFIG), overrides, world_size=4)
+    par = cfg.parallelism
+    assert (par.dp, par.tp, par.pp) == (2, 1, 2)  # two parallel dimensions at once
+    assert cfg.model.model_config.vocab_size >= 4096  # the default corpus's BPE
+    assert cfg.logging.dashboard_url == "http://127.0.0.1:8008"
+    assert cfg.data_stages[0].data.dataset["dataset_folder"] == str(nanoset)
