@@ -199,7 +199,7 @@ def _seal(root: Path, tmp: Path, final: Path, state, cfg, pc, zero_stage, files)
         "created": now,  # unix seconds (the dashboard reads a number); ISO text beside it
         "created_iso": datetime.fromtimestamp(now, timezone.utc).isoformat(),
         "model_config": state.model.config.to_dict(),
-        "run_id": state.extra.get("run_id"),  # set on the logging rank, which seals
+        "run_id": getattr(state, "extra", {}).get("run_id"),  # set by the logging rank (seals)
         "files": sorted((r.to_dict() for r in files), key=lambda r: r["path"]),
     }
     for sub in ("model", "optimizer", "rng"):
