@@ -119,7 +119,7 @@ def _derived_config(hf: dict, model_config, dtype: str, tokenizer: str | None, o
 
 def _check_same_model(cfg, model_config, config_file: str) -> None:
     from nanotron_train.checkpoints.load import ARCH_KEYS
-    from nanotron_train.trainer import padded_model_config
+    from nanotron_train.model_factory import padded_model_config
 
     mine, theirs = padded_model_config(cfg).to_dict(), model_config.to_dict()
     diff = [f"{k}: config {mine[k]!r}, HF {theirs[k]!r}" for k in ARCH_KEYS if mine[k] != theirs[k]]
@@ -159,8 +159,8 @@ def from_hf(
     from nanotron_train.checkpoints import CheckpointError, save_checkpoint
     from nanotron_train.config import load_config
     from nanotron_train.lr_schedule import build_lr_schedule
+    from nanotron_train.model_factory import padded_model_config
     from nanotron_train.model_io import DTYPES
-    from nanotron_train.trainer import padded_model_config
 
     hf_dir, out = Path(hf_path), Path(out)
     if step < 0:

@@ -23,10 +23,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanotron_models.flops import llama_block_costs, llama_block_names
-from nanotron_models.model import build_llama_stage
-from nanotron_parallel.pipeline import stage_block_names
 from nanotron_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from nanotron_train.model_factory import build_model, padded_model_config
 
 if TYPE_CHECKING:
     from nanotron_parallel.context import ParallelContext
@@ -100,26 +98,9 @@ class InterleavedModel(nn.Module):
 
 def build_interleaved_model(cfg: Config, pc: ParallelContext) -> InterleavedModel:
     """Place the blocks over pp * v virtual stages (balanced by cost) and build this rank's."""
-    from nanotron_train.trainer import DTYPES, padded_model_config
-
     mc = padded_model_config(cfg)
     v, pp = cfg.parallelism.pp_virtual_stages, pc.pp_size
-    names = llama_block_names(mc)
-    costs = llama_block_costs(mc, cfg.tokens.sequence_length)
-    chunks = []
-    for c in range(v):
-        mine = stage_block_names(names, costs, pp * v, c * pp + pc.pp_rank)
-        chunk = build_llama_stage(
-            mc,
-            pc,
-            mine,
-            tp_mode=cfg.parallelism.tp_mode,
-            seed=cfg.general.seed,
-            init_std=cfg.model.init_method.std,
-            dtype=DTYPES[cfg.model.dtype],
-            device=pc.device,
-        )
-        chunks.append(chunk)
+    chunks = [build_model(cfg, pc, c * pp + pc.pp_rank, pp * v) for c in range(v)]
     first, last = chunks[0], chunks[-1]
     if hasattr(first, "embedding") and hasattr(last, "lm_head") and mc.tie_word_embeddings:
         # pp = 1: both ends on this rank, in different chunks; make them one Parameter again.
@@ -133,7 +114,5 @@ def build_train_model(cfg: Config, pc: ParallelContext) -> nn.Module:
     if cfg.parallelism.pp_engine == "interleaved-1f1b":
         model: nn.Module = build_interleaved_model(cfg, pc)
     else:
-        from nanotron_train.trainer import build_model
-
         model = build_model(cfg, pc)
     return apply_perf_options(model, cfg)

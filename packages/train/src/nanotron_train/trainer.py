@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotron_models.flops import llama_block_costs, llama_block_names, training_flops_per_token
-from nanotron_models.model import build_llama_stage
+from nanotron_models.flops import training_flops_per_token
 from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.data_parallel import DataParallelGrads
-from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step, stage_block_names
+from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step
 from nanotron_parallel.tied import tied_parameters
 from nanotron_parallel.zero import all_gather_params, grad_norm_ranges, owned_ranges
 from nanotron_train.checkpoints import hooks as checkpoint_hooks
@@ -40,11 +39,10 @@ from nanotron_train.metrics import (
     make_record,
     peak_memory_bytes,
 )
+from nanotron_train.model_factory import DTYPES, padded_model_config
 from nanotron_train.optim import AdamWOnPieces, build_pieces
 from nanotron_train.perf import build_train_model
 from nanotron_train.profiling import StepProfiler
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -71,35 +69,6 @@ class TrainState:
         random.setstate(state["python"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-
-
-def padded_model_config(cfg: Config):
-    """Nanotron rounds the vocabulary up to make_vocab_size_divisible_by (layout-independent)."""
-    mc = cfg.model.model_config
-    div = cfg.model.make_vocab_size_divisible_by
-    padded = -(-mc.vocab_size // div) * div
-    if padded == mc.vocab_size:
-        return mc
-    from dataclasses import replace
-
-    return replace(mc, vocab_size=padded)
-
-
-def build_model(cfg: Config, pc: ParallelContext) -> nn.Module:
-    mc = padded_model_config(cfg)
-    names = llama_block_names(mc)
-    costs = llama_block_costs(mc, cfg.tokens.sequence_length)
-    mine = stage_block_names(names, costs, pc.pp_size, pc.pp_rank)
-    return build_llama_stage(
-        mc,
-        pc,
-        mine,
-        tp_mode=cfg.parallelism.tp_mode,
-        seed=cfg.general.seed,
-        init_std=cfg.model.init_method.std,
-        dtype=DTYPES[cfg.model.dtype],
-        device=pc.device,
-    )
 
 
 class Trainer:
