@@ -9,6 +9,7 @@ from sqlalchemy import (
     Column,
     Float,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -22,9 +23,11 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DatabaseError as SADatabaseError
 
+from .blocks import seal_all
 from .errors import DatabaseFileError
 
-SCHEMA_VERSION = 1
+# 1: first release. 2: adds series_blocks (filled from metrics when a version-1 file opens).
+SCHEMA_VERSION = 2
 
 metadata = MetaData()
 
@@ -77,6 +80,20 @@ latest = Table(
     Column("step", Integer, nullable=False),
     Column("value", Float),
     sqlite_with_rowid=False,
+)
+
+# Derived from `metrics` (see blocks.py): a series' points per block of steps as packed
+# little-endian arrays, so a cold read fetches ~250 blobs instead of 250k rows.
+series_blocks = Table(
+    "series_blocks",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("name", String, primary_key=True),
+    Column("block", Integer, primary_key=True),  # steps block*BLOCK_STEPS .. +BLOCK_STEPS-1
+    Column("n", Integer, nullable=False),
+    Column("steps", LargeBinary, nullable=False),  # int64
+    Column("vals", LargeBinary, nullable=False),  # float64, NaN where the value is NULL
+    Column("times", LargeBinary, nullable=False),  # float64
 )
 
 checkpoints = Table(
@@ -143,6 +160,8 @@ def _check_and_create(engine: Engine, path: Path) -> None:
             if version < SCHEMA_VERSION:
                 migrate(conn, version)
         metadata.create_all(conn)
+        # completes the migration from 1, and seals rows written without the writer
+        seal_all(conn.connection.driver_connection)
         conn.execute(
             text("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', :v)"),
             {"v": str(SCHEMA_VERSION)},
@@ -150,5 +169,9 @@ def _check_and_create(engine: Engine, path: Path) -> None:
 
 
 def migrate(conn: object, from_version: int) -> None:
-    """Upgrade an older schema in place. Version 1 is the first: nothing to migrate yet."""
+    """Upgrade an older schema in place.
+
+    1 -> 2 adds the table series_blocks: create_all creates it and seal_all fills it from
+    the metrics already stored (about 2 s per million points, once).
+    """
     del conn, from_version

@@ -12,6 +12,7 @@ import numpy as np
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from . import blocks
 from .checkpoints import resume_command
 from .errors import DashboardError
 from .messages import json_float
@@ -198,17 +199,9 @@ def config_diff(conn: Connection, a: str, b: str) -> dict[str, Any]:
 def load_series(
     conn: Connection, run_pk: int, name: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One whole series as arrays, through the raw sqlite3 cursor (SQLAlchemy rows are slow
-    at 250k rows). NULL (a NaN value) becomes NaN."""
-    raw = conn.connection.driver_connection
-    rows = raw.execute(
-        "SELECT step, value, time FROM metrics WHERE run_pk=? AND name=? ORDER BY step",
-        (run_pk, name),
-    ).fetchall()
-    if not rows:
-        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
-    a = np.array(rows, dtype=np.float64)
-    return a[:, 0].astype(np.int64), a[:, 1].copy(), a[:, 2].copy()
+    """One whole series as arrays, from its sealed blocks plus the rows after them, through
+    the raw sqlite3 connection (SQLAlchemy rows are slow at 250k rows). NULL becomes NaN."""
+    return blocks.load(conn.connection.driver_connection, run_pk, name)
 
 
 def metric_series(

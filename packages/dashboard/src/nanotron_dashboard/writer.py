@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
+from .blocks import Sealer
 from .checkpoints import infer_resumed_from
 from .messages import Checkpoint, Heartbeat, Metrics, RunEnd, RunStart
 from .series import SeriesCache
@@ -57,6 +58,7 @@ class Writer:
         self._max_batch = max_batch
         self.queue: queue.Queue[Item | None] = queue.Queue(maxsize=max_queue)
         self._pks: dict[str, int] = {}
+        self._sealer = Sealer()  # keeps series_blocks in step with metrics
         self._thread = threading.Thread(target=self._run, name="dashboard-writer", daemon=True)
 
     def start(self) -> None:
@@ -100,6 +102,7 @@ class Writer:
         except Exception:  # one bad item must not lose the batch: retry one by one
             conn.rollback()
             self._pks.clear()
+            self._sealer.reset()
             for item in batch:
                 self._write_one(conn, item)
             return
@@ -115,6 +118,7 @@ class Writer:
         except Exception as e:
             conn.rollback()
             self._pks.clear()
+            self._sealer.reset()
             log.exception("dashboard writer: dropped a message it could not store")
             if fut is not None:
                 fut.set_exception(e)
@@ -193,6 +197,7 @@ class Writer:
                     raise TypeError(f"unknown writer item {type(msg).__name__}")
             if rows:
                 conn.exec_driver_sql(_INSERT_METRIC, rows)
+                self._sealer.after_insert(conn.connection.driver_connection, rows)
                 newest: dict[tuple[int, str], tuple] = {}
                 for r in rows:  # one latest-row update per metric per batch, not per point
                     k = (r[0], r[1])
