@@ -1,8 +1,9 @@
 """Durable file writes and verified reads.
 
 Writes hash the bytes in a helper thread while the main thread writes them (hashlib and file
-writes both release the GIL), then fsync; reads do the same with `readinto`. So a checkpoint
-costs about one pass over the disk, not a write plus a separate checksum pass.
+writes both release the GIL), then fsync; reads do the same with `readinto`, straight into the
+buffers that keep the bytes. So a checkpoint costs about one pass over the disk, not a write
+plus a separate checksum pass.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def replace_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def read_verified(path: Path, record: dict | None) -> np.ndarray:
-    """The whole file, checked against its metadata record (size, then sha256) when given."""
+def checked_size(path: Path, record: dict | None) -> int:
+    """The file's size, checked against its metadata record when given."""
     try:
         actual = path.stat().st_size
     except FileNotFoundError:
@@ -96,19 +97,64 @@ def read_verified(path: Path, record: dict | None) -> np.ndarray:
             raise CheckpointError(
                 f"{path}: size mismatch ({actual} bytes, metadata says {expected})"
             )
-    # Uninitialised (no zero-fill pass): every byte is overwritten by the read below.
-    buf = torch.empty(actual, dtype=torch.uint8).numpy()
-    view = memoryview(buf)
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
-        pos = 0
-        while pos < actual:
-            n = f.readinto(view[pos : pos + CHUNK])
+    return actual
+
+
+class VerifiedReader:
+    """Reads a file front to back into caller-given buffers, hashing on the side.
+
+    The caller picks where each run of bytes lands (a fresh buffer, or directly the tensor that
+    will hold it), so a load needs no staging copy. One helper thread runs the sha256 updates
+    in submission order (hashlib releases the GIL), overlapping the next read. `verify()` must
+    be called once every byte has been read: it raises on a short file or a checksum mismatch.
+    """
+
+    def __init__(self, path: Path, record: dict | None) -> None:
+        self.path, self.record = path, record
+        self.size = checked_size(path, record)
+        self.pos = 0
+        self._digest = hashlib.sha256()
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 (closed in __exit__)
+        self._hasher = ThreadPoolExecutor(1)
+
+    def __enter__(self) -> VerifiedReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hasher.shutdown(wait=True)
+        self._file.close()
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill `view` (1-D bytes) with the next len(view) bytes of the file."""
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        done = 0
+        while done < len(view):
+            n = self._file.readinto(view[done : done + CHUNK])
             if not n:
-                raise CheckpointError(f"{path}: truncated while reading ({pos} of {actual} bytes)")
-            hasher.submit(digest.update, view[pos : pos + n])
-            pos += n
-        hasher.shutdown(wait=True)
-    if record is not None and digest.hexdigest() != record["sha256"]:
-        raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from the metadata)")
+                raise CheckpointError(
+                    f"{self.path}: truncated while reading ({self.pos} of {self.size} bytes)"
+                )
+            self._hasher.submit(self._digest.update, view[done : done + n])
+            done += n
+            self.pos += n
+
+    def verify(self) -> None:
+        if self.pos != self.size:
+            raise CheckpointError(
+                f"{self.path}: size changed while reading ({self.pos} of {self.size} bytes)"
+            )
+        self._hasher.shutdown(wait=True)  # every update done before the digest is read
+        if self.record is not None and self._digest.hexdigest() != self.record["sha256"]:
+            raise CheckpointError(
+                f"{self.path}: checksum mismatch (sha256 differs from the metadata)"
+            )
+
+
+def read_verified(path: Path, record: dict | None) -> np.ndarray:
+    """The whole file, checked against its metadata record (size, then sha256) when given."""
+    with VerifiedReader(path, record) as reader:
+        # Uninitialised (no zero-fill pass): every byte is overwritten by the read below.
+        buf = torch.empty(reader.size, dtype=torch.uint8).numpy()
+        reader.read_into(memoryview(buf))
+        reader.verify()
     return buf

@@ -9,6 +9,7 @@ exactly, the data position carries over in samples, and the RNGs are reseeded fr
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import random
@@ -25,8 +26,10 @@ from nanotron_train.checkpoints.layout import (
     METADATA_FILE,
     ShardInfo,
     canonical_name,
+    is_stored_copy,
     model_file,
     optimizer_file,
+    piece_key,
     rng_file,
 )
 from nanotron_train.checkpoints.save import _agree
@@ -137,7 +140,8 @@ def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
     same = (topo["dp"], topo["tp"], topo["pp"]) == (pc.dp_size, pc.tp_size, pc.pp_size)
     src = CheckpointSource.open(folder, meta)
     own = [model_file(pc.pp_rank, pc.tp_rank), optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_rank)]
-    src.prefetch(own if same else [])  # same layout: exactly this rank's shards
+    if same:  # exactly this rank's shards, read straight into the tensors they restore
+        src.prefetch(own, _destinations(state, cfg, pc, own))
     _load_model(src, state.model, pc)
     if cfg.checkpoints.load_optimizer:
         _load_optimizer(src, state.optimizer, pc)
@@ -159,11 +163,36 @@ def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
     return meta
 
 
+def _destinations(state, cfg, pc, own: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Same layout: the live tensors each of this rank's files restores, by stored name.
+
+    Reading into them saves a staging buffer (fresh memory costs a page fault per 4 KiB) and a
+    copy. A checksum error after such a read leaves them unverified, which is why a failed
+    load_checkpoint is fatal for its caller (the trainer exits on it).
+    """
+    model = {name: p for name, p in state.model.named_parameters() if is_stored_copy(name, p)}
+    optim: dict[str, torch.Tensor] = {}
+    inner = state.optimizer.inner
+    for piece in state.optimizer.pieces if cfg.checkpoints.load_optimizer else []:
+        if not is_stored_copy(piece.name, piece.param):
+            continue
+        key = functools.partial(piece_key, piece.name, piece.start, piece.end)
+        if piece.is_copy:
+            optim[key("master")] = piece.master
+        held = inner.state.get(piece.master, {}) if inner is not None else {}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if isinstance(held.get(kind), torch.Tensor):
+                optim[key(kind)] = held[kind]
+    return {own[0]: model, own[1]: optim}
+
+
 @torch.no_grad()
 def _load_model(src: CheckpointSource, model: torch.nn.Module, pc) -> None:
     for name, p in model.named_parameters():
         target = ShardInfo.of(p, pc.tp_rank, pc.tp_size)
-        p.copy_(src.model_shard(canonical_name(name, p), target).to(p.dtype))
+        shard = src.model_shard(canonical_name(name, p), target)
+        if shard.data_ptr() != p.data_ptr() or shard.dtype != p.dtype:  # else read in place
+            p.copy_(shard.to(p.dtype))
 
 
 @torch.no_grad()
@@ -173,16 +202,17 @@ def _load_optimizer(src: CheckpointSource, optimizer, pc) -> None:
         name = canonical_name(piece.name, piece.param)
         target = ShardInfo.of(piece.param, pc.tp_rank, pc.tp_size)
         if src.has_state("master"):
-            piece.master.copy_(src.piece(name, "master", target, piece.start, piece.end))
+            master = src.piece(name, "master", target, piece.start, piece.end)
+            if master.data_ptr() != piece.master.data_ptr():  # else it was read in place
+                piece.master.copy_(master)
         elif piece.is_copy:
             full = src.model_shard(name, target).reshape(-1)[piece.start : piece.end]
             piece.master.copy_(full.to(piece.master.dtype))
         if inner is None or not src.has_state("exp_avg"):
             continue
-        # The moments may stay views of the verified read buffer (frombuffer keeps it alive).
         fused = bool(inner.param_groups[0].get("fused"))
         step = torch.tensor(float(src.adam_step), dtype=torch.float32)
-        # The moments may stay views of the verified read buffer (frombuffer keeps it alive).
+        # Already the held moments when they were read in place; else the tensors read.
         moments = {
             kind: src.piece(name, kind, target, piece.start, piece.end)
             .to(piece.master)

@@ -1,8 +1,15 @@
 """A small safetensors writer/reader (the format: u64 header length, JSON header, raw bytes).
 
-Written by hand so shards stream to disk tensor by tensor with the checksum computed on the
-way (files.write_durable), and load as zero-copy views of one verified buffer. The files are
-ordinary safetensors: the `safetensors` library reads them.
+Written by hand rather than with the `safetensors` library, for speed on both sides:
+  * save streams shards to disk tensor by tensor with the sha256 computed on the way
+    (files.write_durable), where `safetensors.torch.save_file` would first serialise the whole
+    shard to memory and a separate pass would hash it;
+  * load reads every tensor's bytes exactly once, hashing them as they arrive, straight into
+    the tensor that keeps them (the live parameter or Adam moment when the caller offers one,
+    else a fresh tensor). The library's loaders either copy out of an mmap of the file (a second
+    read that the checksum did not see, into freshly faulted memory) or parse a `bytes` object
+    (a full extra copy), and do not expose the data offsets needed to read into given tensors.
+The files are ordinary safetensors: the `safetensors` library reads them (tests check it).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from pathlib import Path
 import torch
 
 from nanotron_train.checkpoints.errors import CheckpointError
-from nanotron_train.checkpoints.files import FileRecord, read_verified, write_durable
+from nanotron_train.checkpoints.files import CHUNK, FileRecord, VerifiedReader, write_durable
 
 DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -93,23 +100,81 @@ def _split(path: Path, header: dict, size: int, data_start: int | None = None) -
     return header, ours
 
 
-def load_tensors(path: Path, record: dict | None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Every tensor of a verified file (views into one buffer) and our metadata."""
-    buf = read_verified(path, record)
-    header, start = _parse_header(path, buf, len(buf))
-    entries, ours = _split(path, header, len(buf), start)
-    out = {}
-    for name, e in entries.items():
-        dtype = FROM_NAME.get(e["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {e['dtype']}")
-        lo, hi = e["data_offsets"]
-        shape = tuple(e["shape"])
-        count = (hi - lo) // torch.empty((), dtype=dtype).element_size()
-        if count == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-        else:
-            out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=start + lo).view(
-                shape
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
+
+
+def _target(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, into: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """The caller's tensor for `name` when the bytes can land in it as they are, else a new one."""
+    t = into.get(name)
+    if (
+        t is not None
+        and t.dtype == dtype
+        and tuple(t.shape) == shape
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+    ):
+        return t.detach()
+    return torch.empty(shape, dtype=dtype)  # uninitialised: the read overwrites every byte
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def load_tensors(
+    path: Path, record: dict | None, into: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every tensor of a verified file and our metadata.
+
+    `into` offers destination tensors by name: a CPU tensor with the stored dtype and shape gets
+    the bytes read straight into it (no staging buffer, no copy) and is returned.
+    If the file then fails its checksum the error is raised and those tensors hold unverified
+    bytes: a caller offering its live state must treat the error as fatal (resume does).
+    """
+    into = into or {}
+    with VerifiedReader(path, record) as reader:
+        size = reader.size
+        if size < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        head = bytearray(8)
+        reader.read_into(memoryview(head))
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file (header of {n} bytes, file of {size})"
             )
+        text = bytearray(n)
+        reader.read_into(memoryview(text))
+        header, start = _parse_header(path, head + text, size)
+        entries, ours = _split(path, header, size, start)
+        out: dict[str, torch.Tensor] = {}
+        pos = 0  # offset in the data section
+        for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = FROM_NAME.get(e["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {e['dtype']}")
+            lo, hi = e["data_offsets"]
+            shape = tuple(e["shape"])
+            if lo < pos or hi - lo != _nbytes(shape, dtype):
+                raise CheckpointError(
+                    f"{path}: tensor {name} has bad data offsets {[lo, hi]} for shape {list(shape)}"
+                )
+            if lo > pos:  # bytes between tensors: read (the checksum covers them) and drop
+                reader.read_into(memoryview(bytearray(lo - pos)))
+            out[name] = _target(name, shape, dtype, into)
+            if hi > lo:
+                reader.read_into(_bytes_of(out[name]))
+            pos = hi
+        rest = size - reader.pos
+        while rest > 0:  # trailing bytes after the last tensor: checked, then dropped
+            k = min(rest, CHUNK)
+            reader.read_into(memoryview(bytearray(k)))
+            rest -= k
+        reader.verify()
     return out, ours

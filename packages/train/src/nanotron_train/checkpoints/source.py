@@ -84,16 +84,25 @@ class CheckpointSource:
             self._cache[rel], _ = load_tensors(self.folder / rel, records.get(rel))
         return self._cache[rel]
 
-    def prefetch(self, rels: list[str]) -> None:
+    def prefetch(
+        self, rels: list[str], into: dict[str, dict[str, torch.Tensor]] | None = None
+    ) -> None:
         """Read and verify several files at once: reads and sha256 run in threads (both release
-        the GIL), so checksumming a large checkpoint uses more than one core."""
+        the GIL), so checksumming a large checkpoint uses more than one core. `into` offers, per
+        file, tensors to read the bytes straight into (see safetensors_io.load_tensors)."""
+        into = into or {}
         todo = [r for r in rels if r not in self._cache and (self.folder / r).is_file()]
-        if len(todo) < 2:
+        if not todo:
             return
         records = {r["path"]: r for r in self.metadata["files"]}
+
+        def load(rel: str) -> dict[str, torch.Tensor]:
+            return load_tensors(self.folder / rel, records.get(rel), into.get(rel))[0]
+
+        # The biggest file first: its checksum is the longest single pass.
+        todo.sort(key=lambda r: -int(records.get(r, {}).get("size", 0)))
         with ThreadPoolExecutor(min(len(todo), 4)) as pool:
-            loaded = pool.map(lambda r: load_tensors(self.folder / r, records.get(r))[0], todo)
-            self._cache.update(zip(todo, loaded))
+            self._cache.update(zip(todo, pool.map(load, todo)))
 
     def release(self) -> None:
         self._cache.clear()
