@@ -133,6 +133,9 @@ def stop_dashboard(files: DashboardFiles, timeout: float = 10.0) -> bool:
         if _alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout  # and reap it, so no zombie keeps its pid
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
     files.pid.unlink(missing_ok=True)
     return running
 
