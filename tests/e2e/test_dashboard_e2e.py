@@ -153,3 +153,51 @@ def test_dashboard_down_changes_nothing_but_one_warning(first_run, tmp_path):
     warnings = [line for line in proc.stderr.splitlines() if "dashboard at" in line]
     assert len(warnings) == 1 and "unreachable" in warnings[0] and url in warnings[0]
     assert (tmp_path / "ck" / "6" / "checkpoint_metadata.json").is_file()
+
+
+def test_dashboard_killed_and_restarted_mid_run_keeps_every_step(tmp_path):
+    """SIGKILL the dashboard while a real 2-process run streams to it, start it again on the
+    same port and database: when the run ends the database holds every step, exactly."""
+    import time
+
+    steps = 300
+    cfg = tiny_config()
+    cfg["tokens"]["train_steps"] = steps
+    cfg["checkpoints"].update(checkpoints_path=None)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    d = start_dashboard(tmp_path / "runs.db")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOTRON_DASHBOARD_URL": d.url}
+    env.pop("NANOTRON_DASHBOARD_TOKEN", None)
+    command = [*LAUNCH, "-m", "nanotron_train", "--config-file", "cfg.yaml"]
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    restarted = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until the run is streaming
+            runs = d.get("/api/runs")
+            if runs and (runs[0]["step"] or 0) >= 3:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the run never reached the dashboard")
+        d.kill()
+        restarted = start_dashboard(tmp_path / "runs.db", port=d.port)
+        at_restart = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+        assert at_restart < steps, "the run ended before the dashboard came back"
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+        records = metrics_file(tmp_path / "metrics.jsonl")
+        run_id = restarted.get("/api/runs")[0]["id"]
+        got = points(restarted, run_id)
+        assert sorted(got) == list(range(1, steps + 1))
+        for rec in records:
+            assert got[rec["step"]] == numeric(rec)
+        assert restarted.get(f"/api/runs/{run_id}")["status"] == "finished"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        d.stop()
+        if restarted is not None:
+            restarted.stop()
