@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from nanotron_parallel.testing import run_distributed
+from nanotron_parallel.testing import run_distributed, shared_default_group
 
 STEPS, HALF, REL = 12, 6, 1e-5
 
@@ -69,13 +68,8 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)
-    owner = not dist.is_initialized()
-    if owner and "RANK" in os.environ:
-        dist.init_process_group("gloo", init_method="env://")
-    elif owner:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = []
-    try:
+    with shared_default_group():
         for job in jobs:
             lay = job["layout"]
             raw = tiny_config(lay, job["ckpt"], job.get("steps", STEPS), job.get("resume"))
@@ -89,9 +83,6 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
             out.append(
                 {"loss": [r["lm_loss"] for r in records], "norm": [r["grad_norm"] for r in records]}
             )
-    finally:
-        if owner:
-            dist.destroy_process_group()
     return out
 
 

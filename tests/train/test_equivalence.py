@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 
 import pytest
 import torch
 
-from nanotron_parallel.testing import run_distributed
+from nanotron_parallel.testing import run_distributed, shared_default_group
 
 STEPS = 10
 REL = 1e-5
@@ -94,35 +93,27 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)
-    # One default group for the whole launch; each ParallelContext reuses it and makes (and
-    # destroys) only its own subgroups.
-    owner = not dist.is_initialized()
-    if owner and "RANK" in os.environ:
-        dist.init_process_group("gloo", init_method="env://")
-    elif owner:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    out = []
-    for layout in layouts:
-        cfg = config_from_dict(layout_config(layout), "test", world_size=None)
-        pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
-        try:
-            trainer = Trainer(cfg, pc, stream=io.StringIO())
-            records = trainer.train()
-            state_bytes = trainer.state.optimizer.state_bytes()
-            tied_ok = trainer.tied.copies_equal()
-        finally:
-            dist.barrier()
-            pc.destroy()
-        out.append(
-            {
-                "loss": [r["lm_loss"] for r in records],
-                "norm": [r["grad_norm"] for r in records],
-                "state_bytes": state_bytes,
-                "tied_ok": tied_ok,
-            }
-        )
-    if owner:
-        dist.destroy_process_group()
+    with shared_default_group():
+        out = []
+        for layout in layouts:
+            cfg = config_from_dict(layout_config(layout), "test", world_size=None)
+            pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+            try:
+                trainer = Trainer(cfg, pc, stream=io.StringIO())
+                records = trainer.train()
+                state_bytes = trainer.state.optimizer.state_bytes()
+                tied_ok = trainer.tied.copies_equal()
+            finally:
+                dist.barrier()
+                pc.destroy()
+            out.append(
+                {
+                    "loss": [r["lm_loss"] for r in records],
+                    "norm": [r["grad_norm"] for r in records],
+                    "state_bytes": state_bytes,
+                    "tied_ok": tied_ok,
+                }
+            )
     return out
 
 

@@ -14,12 +14,11 @@ import copy
 import glob
 import io
 import json
-import os
 
 import pytest
 import torch
 
-from nanotron_parallel.testing import run_distributed
+from nanotron_parallel.testing import run_distributed, shared_default_group
 from tests.train.test_equivalence import REL, close, layout_config
 
 PROFILE_STEPS = 3  # the profiler's wait=1, warmup=1, active=1
@@ -50,35 +49,29 @@ def run_perf_layouts(layouts: list[dict]) -> list[dict]:
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)
-    owner = not dist.is_initialized()
-    if owner and "RANK" in os.environ:
-        dist.init_process_group("gloo", init_method="env://")
-    elif owner:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    out = []
-    for layout in layouts:
-        if layout.get("counters"):
-            out.append(interleaved_counters(layout["pp"], layout["v"], layout["m"]))
-            continue
-        cfg = config_from_dict(perf_config(layout), "test", world_size=None)
-        steps = layout.get("steps")
-        if steps:
-            cfg.tokens.train_steps = steps
-        pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
-        try:
-            trainer = Trainer(cfg, pc, stream=io.StringIO())
-            records = trainer.train()
-            tied_ok = trainer.tied.copies_equal()
-            masters = {str(p.master.dtype) for p in trainer.state.optimizer.pieces}
-            params = {str(p.dtype) for p in trainer.state.model.parameters()}
-        finally:
-            dist.barrier()
-            pc.destroy()
-        out.append({"loss": [r["lm_loss"] for r in records],
-                    "norm": [r["grad_norm"] for r in records],
-                    "tied_ok": tied_ok, "masters": masters, "params": params})  # fmt: skip
-    if owner:
-        dist.destroy_process_group()
+    with shared_default_group():
+        out = []
+        for layout in layouts:
+            if layout.get("counters"):
+                out.append(interleaved_counters(layout["pp"], layout["v"], layout["m"]))
+                continue
+            cfg = config_from_dict(perf_config(layout), "test", world_size=None)
+            steps = layout.get("steps")
+            if steps:
+                cfg.tokens.train_steps = steps
+            pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+            try:
+                trainer = Trainer(cfg, pc, stream=io.StringIO())
+                records = trainer.train()
+                tied_ok = trainer.tied.copies_equal()
+                masters = {str(p.master.dtype) for p in trainer.state.optimizer.pieces}
+                params = {str(p.dtype) for p in trainer.state.model.parameters()}
+            finally:
+                dist.barrier()
+                pc.destroy()
+            out.append({"loss": [r["lm_loss"] for r in records],
+                        "norm": [r["grad_norm"] for r in records],
+                        "tied_ok": tied_ok, "masters": masters, "params": params})  # fmt: skip
     return out
 
 

@@ -109,6 +109,28 @@ class _FnRef:
         return module
 
 
+@contextlib.contextmanager
+def shared_default_group():
+    """One default gloo group for a whole launch that runs several layouts in turn.
+
+    Each `ParallelContext` made inside reuses it and creates (and destroys) only its own
+    subgroups, so a launch pays process start-up and rendezvous once. Outside torchrun it is a
+    world of one.
+    """
+    import torch.distributed as dist
+
+    owner = not dist.is_initialized()
+    if owner and "RANK" in os.environ:
+        dist.init_process_group("gloo", init_method="env://")
+    elif owner:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if owner:
+            dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
