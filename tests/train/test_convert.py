@@ -100,6 +100,7 @@ def _finetune_config(ckpt: Path, tp: int) -> dict:
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
                 "bos_token_id": 0, "eos_token_id": 0,
             },
+            "dtype": "float32",  # Nanotron's default is bfloat16
         },
         "tokens": {"sequence_length": SEQ, "micro_batch_size": MBS,
                    "batch_accumulation_per_replica": 1, "train_steps": 1},

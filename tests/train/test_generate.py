@@ -34,6 +34,7 @@ def _config(root: Path, tok: Path, nanoset: Path) -> dict:
             },
             "init_method": {"std": 0.05},
             "make_vocab_size_divisible_by": 8,
+            "dtype": "float32",  # Nanotron's default is bfloat16
         },
         "tokenizer": {"tokenizer_name_or_path": str(tok)},
         "tokens": {

@@ -105,11 +105,12 @@ class Attention(nn.Module):
         d, h = c.head_dim, c.hidden_size
         qkv_out = (c.num_attention_heads + 2 * c.n_kv_heads) * d
         sections = [c.num_attention_heads * d, c.n_kv_heads * d, c.n_kv_heads * d]
+        bias = c.attention_bias
         self.qkv = ColumnParallelLinear(
-            h, qkv_out, group, mode, device=device, dtype=dtype, sections=sections
+            h, qkv_out, group, mode, bias=bias, device=device, dtype=dtype, sections=sections
         )
         self.o_proj = RowParallelLinear(
-            c.num_attention_heads * d, h, group, mode, device=device, dtype=dtype
+            c.num_attention_heads * d, h, group, mode, bias=bias, device=device, dtype=dtype
         )
 
     def forward(

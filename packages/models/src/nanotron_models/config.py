@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ATTN_BACKENDS = ("auto", "sdpa", "flash_attn")
+# Nanotron's `_attn_implementation` values -> our backends; the others are refused.
+NANOTRON_ATTENTION = {"flash_attention_2": "flash_attn", "sdpa": "sdpa", None: "auto"}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -49,12 +51,31 @@ class LlamaConfig:
     pretraining_tp: int = 1
     use_cache: bool = True
     rope_interleaved: bool = False
+    # Biases on the q, k, v and o projections (Hugging Face Llama's meaning), initialised to 0.
+    attention_bias: bool = False
+    # Nanotron's attention kernel name: flash_attention_2 (flash_attn, sdpa where it cannot
+    # run), sdpa, or null (auto). `attn_backend` (ours), when not "auto", takes precedence.
+    _attn_implementation: str | None = "flash_attention_2"
+    # z-loss (PaLM): coefficient * logsumexp(logits)^2 added to each token's loss.
+    z_loss_enabled: bool = False
+    z_loss_coefficient: float = 0.0001
     # Ours: which attention kernel to use ("auto" = flash_attn on CUDA when installed, else sdpa).
     attn_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend to use: attn_backend when set, else Nanotron's _attn_implementation."""
+        if self.attn_backend != "auto":
+            return self.attn_backend
+        return NANOTRON_ATTENTION.get(self._attn_implementation, "auto")
+
+    @property
+    def z_loss_weight(self) -> float:
+        return self.z_loss_coefficient if self.z_loss_enabled else 0.0
 
     @property
     def head_dim(self) -> int:
@@ -144,6 +165,16 @@ class LlamaConfig:
         if self.attn_backend not in ATTN_BACKENDS:
             raise ModelConfigError(
                 f"model_config.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}"
+            )
+        if self._attn_implementation not in NANOTRON_ATTENTION:
+            raise ModelConfigError(
+                f"model_config._attn_implementation {self._attn_implementation!r} asks for an "
+                "attention kernel this project does not have (flex and ring attention are "
+                "context-parallel features): use flash_attention_2, sdpa or null"
+            )
+        if self.z_loss_coefficient < 0:
+            raise ModelConfigError(
+                f"model_config.z_loss_coefficient must be >= 0, got {self.z_loss_coefficient}"
             )
         if self.rope_interleaved:
             raise ModelConfigError(

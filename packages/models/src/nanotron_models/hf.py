@@ -47,9 +47,8 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
         raise ModelConfigError(
             f"head_dim={head_dim} != hidden_size/num_attention_heads is not supported"
         )
-    for flag in ("attention_bias", "mlp_bias"):
-        if get(flag):
-            raise ModelConfigError(f"{flag}=True is not supported")
+    if get("mlp_bias"):
+        raise ModelConfigError("mlp_bias=True is not supported")
     eos = get("eos_token_id")
     if isinstance(eos, (list, tuple)):
         eos = eos[0] if eos else None
@@ -70,6 +69,7 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
         bos_token_id=get("bos_token_id"),
         eos_token_id=eos,
         pad_token_id=get("pad_token_id"),
+        attention_bias=bool(get("attention_bias", False)),
     )
 
 
@@ -102,7 +102,7 @@ def config_to_hf(config: LlamaConfig) -> Any:
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
-        attention_bias=False,
+        attention_bias=config.attention_bias,
         mlp_bias=False,
     )
 
@@ -124,6 +124,10 @@ def hf_state_dict_to_ours_full(hf_sd: dict[str, torch.Tensor], config: LlamaConf
         qkv = [take(f"{hf}.self_attn.{p}_proj.weight") for p in "qkv"]
         out[f"{ours}.attn.qkv.weight"] = torch.cat(qkv, dim=0)
         out[f"{ours}.attn.o_proj.weight"] = take(f"{hf}.self_attn.o_proj.weight")
+        if config.attention_bias:
+            biases = [take(f"{hf}.self_attn.{p}_proj.bias") for p in "qkv"]
+            out[f"{ours}.attn.qkv.bias"] = torch.cat(biases, dim=0)
+            out[f"{ours}.attn.o_proj.bias"] = take(f"{hf}.self_attn.o_proj.bias")
         gate_up = [take(f"{hf}.mlp.{p}_proj.weight") for p in ("gate", "up")]
         out[f"{ours}.mlp.gate_up.weight"] = torch.cat(gate_up, dim=0)
         out[f"{ours}.mlp.down.weight"] = take(f"{hf}.mlp.down_proj.weight")
@@ -186,6 +190,12 @@ def our_full_state_dict_to_hf(
         out[f"{hf}.self_attn.k_proj.weight"] = kw
         out[f"{hf}.self_attn.v_proj.weight"] = vw
         out[f"{hf}.self_attn.o_proj.weight"] = full_sd[f"{ours}.attn.o_proj.weight"]
+        if c.attention_bias:
+            qb, kb, vb = torch.split(full_sd[f"{ours}.attn.qkv.bias"], [q, kv, kv], dim=0)
+            out[f"{hf}.self_attn.q_proj.bias"] = qb
+            out[f"{hf}.self_attn.k_proj.bias"] = kb
+            out[f"{hf}.self_attn.v_proj.bias"] = vb
+            out[f"{hf}.self_attn.o_proj.bias"] = full_sd[f"{ours}.attn.o_proj.bias"]
         gate, up = torch.chunk(full_sd[f"{ours}.mlp.gate_up.weight"], 2, dim=0)
         out[f"{hf}.mlp.gate_proj.weight"] = gate
         out[f"{hf}.mlp.up_proj.weight"] = up

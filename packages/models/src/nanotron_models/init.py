@@ -28,7 +28,7 @@ class InitSpec:
 
     key: str  # the name the generator is seeded with (the tied source's name for a tied lm_head)
     full_shape: tuple[int, ...]  # unpadded
-    std: float | None  # None -> ones (norm weights)
+    std: float | None  # None -> ones (norm weights), 0.0 -> zeros (biases)
     shard_dim: int | None  # None -> replicated over tp
     sections: tuple[int, ...] | None = None
     pad_rows_to: int | None = None  # vocab padding: zero rows appended up to this size
@@ -38,6 +38,8 @@ def full_tensor(spec: InitSpec, seed: int) -> torch.Tensor:
     """The full (vocab-padded) fp32 CPU tensor for `spec`."""
     if spec.std is None:
         full = torch.ones(spec.full_shape)
+    elif spec.std == 0.0:
+        full = torch.zeros(spec.full_shape)
     else:
         gen = torch.Generator().manual_seed(param_seed(seed, spec.key))
         full = torch.empty(spec.full_shape).normal_(0.0, spec.std, generator=gen)
@@ -47,13 +49,27 @@ def full_tensor(spec: InitSpec, seed: int) -> torch.Tensor:
     return full
 
 
-def llama_init_spec(config: LlamaConfig, name: str, init_std: float, tp: int) -> InitSpec:
-    """The InitSpec of the parameter with global name `name` (see blocks.py for the names)."""
+SCALING_METHODS = ("NUM_LAYERS", "NONE")
+
+
+def llama_init_spec(
+    config: LlamaConfig, name: str, init_std: float, tp: int, scaling_method: str = "NUM_LAYERS"
+) -> InitSpec:
+    """The InitSpec of the parameter with global name `name` (see blocks.py for the names).
+
+    `scaling_method` (Nanotron's init_method.scaling_method) scales the std of the projections
+    that write into the residual stream: NUM_LAYERS divides it by sqrt(2 * layers), NONE not.
+    """
     c = config
     h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
     q, kv = c.num_attention_heads * d, c.n_kv_heads * d
-    # Nanotron's scaled init for the projections that write into the residual stream.
-    scaled = init_std / math.sqrt(2 * c.num_hidden_layers)
+    if scaling_method not in SCALING_METHODS:
+        raise ValueError(f"scaling_method must be one of {SCALING_METHODS}, got {scaling_method!r}")
+    scaled = (
+        init_std / math.sqrt(2 * c.num_hidden_layers)
+        if scaling_method == "NUM_LAYERS"
+        else init_std
+    )
     vpad = c.padded_vocab_size(tp)
     if name == "embedding.weight":
         return InitSpec(name, (c.vocab_size, h), init_std, 0, pad_rows_to=vpad)
@@ -64,6 +80,10 @@ def llama_init_spec(config: LlamaConfig, name: str, init_std: float, tp: int) ->
         return InitSpec(name, (h,), None, None)
     if name.endswith("attn.qkv.weight"):
         return InitSpec(name, (q + 2 * kv, h), init_std, 0, (q, kv, kv))
+    if name.endswith("attn.qkv.bias"):
+        return InitSpec(name, (q + 2 * kv,), 0.0, 0, (q, kv, kv))
+    if name.endswith("attn.o_proj.bias"):
+        return InitSpec(name, (h,), 0.0, None)
     if name.endswith("attn.o_proj.weight"):
         return InitSpec(name, (h, q), scaled, 1)
     if name.endswith("mlp.gate_up.weight"):

@@ -128,10 +128,12 @@ def build_llama_stage(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     attn_backend: str | None = None,
+    scaling_method: str = "NUM_LAYERS",
 ) -> LlamaStage:
     """Build the named contiguous blocks with this rank's tp shards, initialised from `seed`.
 
-    init_std defaults to config.initializer_range; attn_backend to config.attn_backend.
+    init_std defaults to config.initializer_range; attn_backend to config.attention_backend
+    (attn_backend, else Nanotron's _attn_implementation); scaling_method: see init.py.
     """
     config.validate(pc.tp_size)
     names = llama_block_names(config)
@@ -141,14 +143,14 @@ def build_llama_stage(
     idx = [names.index(n) for n in block_names]
     if idx != list(range(idx[0], idx[0] + len(idx))):
         raise ModelConfigError(f"block names must be contiguous and in order, got {block_names}")
-    backend = attn_backend if attn_backend is not None else config.attn_backend
+    backend = attn_backend if attn_backend is not None else config.attention_backend
     if backend not in ATTN_BACKENDS:
         raise ModelConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
     std = config.initializer_range if init_std is None else init_std
     device = torch.device(device) if device is not None else torch.device(pc.device)
     # Build on the meta device (no memory, no throw-away init), then fill every parameter.
     stage = LlamaStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype)
-    _materialise(stage, config, pc, seed, std, device, dtype)
+    _materialise(stage, config, pc, seed, std, device, dtype, scaling_method)
     return stage
 
 
@@ -162,7 +164,7 @@ def _owner(stage: nn.Module, name: str) -> tuple[nn.Module, str]:
     return stage.get_submodule(path) if path else stage, attr
 
 
-def _materialise(stage: LlamaStage, config, pc, seed, std, device, dtype) -> None:
+def _materialise(stage: LlamaStage, config, pc, seed, std, device, dtype, scaling_method) -> None:
     tp, rank = pc.tp_size, pc.tp_rank
     tied_here = (
         config.tie_word_embeddings and hasattr(stage, "embedding") and hasattr(stage, "lm_head")
@@ -170,7 +172,7 @@ def _materialise(stage: LlamaStage, config, pc, seed, std, device, dtype) -> Non
     for name, _ in list(stage.named_parameters()):
         if tied_here and name == "lm_head.weight":
             continue
-        spec = llama_init_spec(config, name, std, tp)
+        spec = llama_init_spec(config, name, std, tp, scaling_method)
         full = full_tensor(spec, seed)
         sections = list(spec.sections) if spec.sections else None
         data = (

@@ -1,37 +1,46 @@
-"""The training config: Nanotron's YAML sections and key names, as dataclasses, validated.
+"""The training config: Nanotron's YAML sections and key names, as dataclasses.
 
 `load_config(path, overrides, world_size)` reads, applies `--override section.key=value`,
 type-checks every key (unknown key, wrong type, missing value = ConfigError naming the key and
-the file) and checks the combinations (dp*tp*pp vs world size, heads vs tp, ...). It needs no
-process group, so every rank runs it before anything distributed starts.
+the file) and runs the checks of config_checks.py (combinations, refused Nanotron features).
+It needs no process group, so every rank runs it before anything distributed starts.
+
+Every field of Nanotron's config dataclasses is here, with Nanotron's default, so that a YAML
+Nanotron writes loads as it is; README.md's key table says what each one does here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from nanotron_models.config import LlamaConfig, ModelConfigError
+from nanotron_models.config import LlamaConfig
+from nanotron_train.config_checks import validate
 from nanotron_train.config_loader import ConfigError, apply_override, from_dict, to_dict
-from nanotron_train.perf_config import ProfilerArgs, validate_perf
+from nanotron_train.data.stages import DatasetSpec
+from nanotron_train.perf_config import ProfilerArgs
 
 __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "save_config"]
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
 
 
 @dataclass
 class GeneralArgs:
     project: str = "nanotron"
-    run: str | None = None
+    run: str | None = None  # %date and %jobid (SLURM_JOB_ID or "local") are expanded at load
     seed: int = 42
     entity: str | None = None
-    step: int | None = None
-    consumed_train_samples: int | None = None
-    benchmark_csv_path: str | None = None
-    ignore_sanity_checks: bool = True
+    step: int | None = None  # written into a checkpoint's config; checked on resume
+    consumed_train_samples: int | None = None  # likewise
+    benchmark_csv_path: str | None = None  # one throughput row appended at the end of training
+    ignore_sanity_checks: bool = True  # false: check every step that dp replicas agree
 
 
 @dataclass
@@ -39,26 +48,34 @@ class ParallelismArgs:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    pp_engine: Literal["afab", "1f1b", "interleaved-1f1b"] = "1f1b"
+    pp_engine: Literal["afab", "1f1b", "interleaved-1f1b"] = "afab"
     pp_virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b only)
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
     tp_linear_async_communication: bool = False
     recompute_layer: bool = False
-    tp_recompute_allgather: bool = False
+    tp_recompute_allgather: bool = True
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
 
 
 @dataclass
 class InitMethod:
-    std: float = 0.02
+    """Nanotron's RandomInit (std, scaling_method), SpectralMupInit (use_mup) or
+    ExistingCheckpointInit (path), as one section: which keys are set says which it is."""
+
+    std: float | None = 0.02
+    # How the std of the projections into the residual stream (o_proj, down) is scaled:
+    # NUM_LAYERS = std / sqrt(2 * num_hidden_layers), NONE = std.
+    scaling_method: Literal["NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE"] = "NUM_LAYERS"
+    use_mup: bool | None = None
+    path: str | None = None
 
 
 @dataclass
 class ModelArgs:
     model_config: LlamaConfig
     init_method: InitMethod = field(default_factory=InitMethod)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     make_vocab_size_divisible_by: int = 1
     ddp_bucket_cap_mb: int = 25
     compile: bool = False  # torch.compile each decoder layer (see perf.py)
@@ -67,7 +84,7 @@ class ModelArgs:
 @dataclass
 class TokenizerArgs:
     tokenizer_name_or_path: str | None = None
-    tokenizer_revision: str | None = None
+    tokenizer_revision: str | None = None  # of a hub name, looked up in the local HF cache
     tokenizer_max_length: int | None = None
 
 
@@ -87,7 +104,7 @@ class LRSchedulerArgs:
     learning_rate: float
     lr_warmup_steps: int = 0
     lr_warmup_style: Literal["linear", "constant"] = "linear"
-    lr_decay_style: Literal["linear", "cosine", "1-sqrt"] = "cosine"
+    lr_decay_style: Literal["linear", "cosine", "1-sqrt"] = "linear"
     lr_decay_steps: int | None = None
     lr_decay_starting_step: int | None = None
     min_decay_lr: float | None = None
@@ -95,11 +112,13 @@ class LRSchedulerArgs:
 
 @dataclass
 class OptimizerFactoryArgs:
-    name: Literal["adamW", "adamw", "AdamW"] = "adamW"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    torch_adam_is_fused: bool = False
+    """Nanotron's AdamWOptimizerArgs or SGDOptimizerArgs (`name: sgd`, no adam_* keys)."""
+
+    name: Literal["adamW", "sgd"] = "adamW"
+    adam_beta1: float | None = None  # 0.9 for adamW when not given
+    adam_beta2: float | None = None  # 0.95
+    adam_eps: float | None = None  # 1e-8
+    torch_adam_is_fused: bool | None = None  # false
 
 
 @dataclass
@@ -108,6 +127,9 @@ class OptimizerArgs:
     optimizer_factory: OptimizerFactoryArgs = field(default_factory=OptimizerFactoryArgs)
     zero_stage: int = 0
     weight_decay: float = 0.0
+    # Regexes (re.match) on parameter names, ours or Nanotron's: those matched get no weight
+    # decay. Nanotron's default: every parameter is decayed.
+    weight_decay_exclude_named_params: list[str] | None = None
     clip_grad: float | None = None
     accumulate_grad_in_fp32: bool = True
 
@@ -118,8 +140,10 @@ class CheckpointsArgs:
     checkpoint_interval: int = 1000
     resume_checkpoint_path: str | None = None
     save_final_state: bool = True
-    save_initial_state: bool = False
+    save_initial_state: bool = False  # a checkpoint of step 0 before the first step
     keep_last_n: int | None = None
+    # Nanotron: which rank creates the folder. Here rank 0 always does, then a barrier, which
+    # is right for both; false refuses a path that is not visible to every rank's node.
     checkpoints_path_is_shared_file_system: bool = False
     load_lr_scheduler: bool = True
     load_optimizer: bool = True
@@ -127,10 +151,9 @@ class CheckpointsArgs:
 
 @dataclass
 class DataArgs:
-    # None = synthetic tokens (Nanotron's dummy data); otherwise handed to the data package.
-    dataset: dict[str, Any] | None = None
+    dataset: DatasetSpec | None = None  # None = synthetic tokens (Nanotron's dummy data)
     seed: int = 42
-    num_loading_workers: int = 0
+    num_loading_workers: int = 1  # threads preparing the next step's batch (0: none)
 
 
 @dataclass
@@ -138,13 +161,14 @@ class DatasetStageArgs:
     name: str
     start_training_step: int
     data: DataArgs = field(default_factory=DataArgs)
+    sequence_length: int | None = None  # None: tokens.sequence_length
 
 
 @dataclass
 class LoggingArgs:
     iteration_step_info_interval: int = 1
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_level_replica: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = "info"  # rank 0 (its step lines are info)
+    log_level_replica: LogLevel = "info"  # every other rank
     metrics_file: str | None = None
     dashboard_url: str | None = None
     tensorboard_dir: str | None = None
@@ -165,7 +189,7 @@ class Config:
     )
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiler: ProfilerArgs | None = None  # torch.profiler traces (profiling.py)
-    # Nanotron sections we accept for compatibility; only null is supported.
+    # Nanotron features this project does not have: null, or refused with one line.
     lighteval: dict[str, Any] | None = None
     s3_upload: dict[str, Any] | None = None
     metrics_logging: dict[str, Any] | None = None
@@ -179,170 +203,12 @@ class Config:
         return to_dict(self)
 
 
-def _check(cond: bool, key: str, message: str, source: str) -> None:
-    if not cond:
-        raise ConfigError(key, message, source)
-
-
-def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
-    """Cross-field checks; each failure names the key(s) involved."""
-    par, tok, opt = cfg.parallelism, cfg.tokens, cfg.optimizer
-    for name in ("dp", "tp", "pp"):
-        value = getattr(par, name)
-        _check(value >= 1, f"parallelism.{name}", f"must be >= 1, got {value}", source)
-    if world_size is not None:
-        product = par.dp * par.tp * par.pp
-        _check(
-            product == world_size,
-            "parallelism",
-            f"dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {product} but the world size is {world_size}",
-            source,
-        )
-    for name in ("expert_parallel_size", "context_parallel_size"):
-        _check(getattr(par, name) == 1, f"parallelism.{name}", "only 1 is supported", source)
-    _check(
-        not par.tp_linear_async_communication or par.tp_mode == "REDUCE_SCATTER",
-        "parallelism.tp_linear_async_communication",
-        "requires parallelism.tp_mode: REDUCE_SCATTER (as in Nanotron)",
-        source,
-    )
-    try:
-        cfg.model.model_config.validate(tp=par.tp)
-    except ModelConfigError as exc:
-        text = str(exc)
-        key = "model." + text.split(" ", 1)[0].rstrip(":")
-        raise ConfigError(
-            key if key.startswith("model.model_config") else "model", text, source
-        ) from None
-    layers = cfg.model.model_config.num_hidden_layers
-    _check(
-        par.pp <= layers,
-        "parallelism.pp",
-        f"pp={par.pp} is more than model.model_config.num_hidden_layers={layers}",
-        source,
-    )
-    _check(
-        cfg.model.make_vocab_size_divisible_by >= 1,
-        "model.make_vocab_size_divisible_by",
-        "must be >= 1",
-        source,
-    )
-    _check(cfg.model.init_method.std > 0, "model.init_method.std", "must be > 0", source)
-    for name in (
-        "sequence_length",
-        "micro_batch_size",
-        "batch_accumulation_per_replica",
-        "train_steps",
-    ):
-        value = getattr(tok, name)
-        _check(value >= 1, f"tokens.{name}", f"must be >= 1, got {value}", source)
-    max_pos = cfg.model.model_config.max_position_embeddings
-    _check(
-        tok.sequence_length <= max_pos,
-        "tokens.sequence_length",
-        f"{tok.sequence_length} exceeds model.model_config.max_position_embeddings={max_pos}",
-        source,
-    )
-    if par.tp_mode == "REDUCE_SCATTER":
-        _check(
-            tok.sequence_length * tok.micro_batch_size % par.tp == 0
-            and tok.sequence_length % par.tp == 0,
-            "tokens.sequence_length",
-            f"must be divisible by tp={par.tp} in REDUCE_SCATTER mode, got {tok.sequence_length}",
-            source,
-        )
-    _check(
-        opt.zero_stage in (0, 1),
-        "optimizer.zero_stage",
-        f"must be 0 or 1, got {opt.zero_stage}",
-        source,
-    )
-    _check(opt.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", source)
-    _check(
-        opt.clip_grad is None or opt.clip_grad > 0,
-        "optimizer.clip_grad",
-        "must be > 0 or null",
-        source,
-    )
-    lrs = opt.learning_rate_scheduler
-    _check(
-        lrs.learning_rate > 0,
-        "optimizer.learning_rate_scheduler.learning_rate",
-        "must be > 0",
-        source,
-    )
-    _check(
-        lrs.lr_warmup_steps >= 0,
-        "optimizer.learning_rate_scheduler.lr_warmup_steps",
-        "must be >= 0",
-        source,
-    )
-    _check(
-        lrs.lr_decay_steps is None or lrs.lr_decay_steps >= 1,
-        "optimizer.learning_rate_scheduler.lr_decay_steps",
-        "must be >= 1 or null",
-        source,
-    )
-    f = opt.optimizer_factory
-    for name in ("adam_beta1", "adam_beta2"):
-        value = getattr(f, name)
-        _check(
-            0 <= value < 1,
-            f"optimizer.optimizer_factory.{name}",
-            f"must be in [0, 1), got {value}",
-            source,
-        )
-    _check(f.adam_eps > 0, "optimizer.optimizer_factory.adam_eps", "must be > 0", source)
-    _check(len(cfg.data_stages) >= 1, "data_stages", "needs at least one stage", source)
-    _check_datasets(cfg, source)
-    starts = [s.start_training_step for s in cfg.data_stages]
-    _check(
-        starts[0] == 1, "data_stages.0.start_training_step", f"must be 1, got {starts[0]}", source
-    )
-    _check(
-        starts == sorted(set(starts)),
-        "data_stages",
-        f"start_training_step values must be increasing, got {starts}",
-        source,
-    )
-    _check(
-        cfg.logging.iteration_step_info_interval >= 1,
-        "logging.iteration_step_info_interval",
-        "must be >= 1",
-        source,
-    )
-    _check(
-        cfg.checkpoints.checkpoint_interval >= 1,
-        "checkpoints.checkpoint_interval",
-        "must be >= 1",
-        source,
-    )
-    validate_perf(cfg, source)
-    for name in ("lighteval", "s3_upload", "metrics_logging"):
-        _check(getattr(cfg, name) is None, name, "is not supported; set it to null", source)
-    return cfg
-
-
-def _check_datasets(cfg: Config, source: str) -> None:
-    """Type-check each real dataset section now, so its errors name the key and the file."""
-    from nanotron_train.data.stages import DatasetSpec
-    from nanotron_train.data_source import dataset_spec_dict
-
-    kinds = {s.data.dataset is None for s in cfg.data_stages}
-    _check(
-        len(kinds) == 1,
-        "data_stages",
-        "mixing synthetic (dataset: null) and real datasets is not supported",
-        source,
-    )
-    for i, stage in enumerate(cfg.data_stages):
-        if stage.data.dataset is not None:
-            from_dict(
-                DatasetSpec,
-                dataset_spec_dict(stage.data.dataset),
-                f"data_stages.{i}.data.dataset",
-                source,
-            )
+def expand_run_name(run: str | None, now: datetime.datetime | None = None) -> str:
+    """Nanotron's run-name templates: %date (YYYYmmdd_HHMMSS) and %jobid (SLURM_JOB_ID or
+    "local"); a missing name is "%date_%jobid"."""
+    name = "%date_%jobid" if run is None else run
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d_%H%M%S")
+    return name.replace("%date", stamp).replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
 
 
 def config_from_dict(
@@ -350,6 +216,7 @@ def config_from_dict(
 ) -> Config:
     """Typed config from a raw mapping, validated (world size checked when given)."""
     cfg = from_dict(Config, data, "", source)
+    cfg.general.run = expand_run_name(cfg.general.run)
     return validate(cfg, source, world_size)
 
 

@@ -67,6 +67,10 @@ def convert(value: Any, tp: Any, key: str, source: str) -> Any:
         raise ConfigError(key, f"a value is required (expected {_type_name(tp)}), got null", source)
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, str) and value not in allowed:
+            # Enum names are case-insensitive, as Nanotron's (it upper-cases tp_mode & co).
+            same = [a for a in allowed if isinstance(a, str) and a.lower() == value.lower()]
+            value = same[0] if len(same) == 1 else value
         if value not in allowed:
             raise ConfigError(
                 key, f"must be one of {list(allowed)}, got {_value_repr(value)}", source

@@ -7,20 +7,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nanotron_train.config import Config, ConfigError
+from nanotron_train.config import Config
+from nanotron_train.data import StageSpec, TrainData
 from nanotron_train.synthetic import SyntheticData
-
-
-def dataset_spec_dict(raw: dict[str, Any]) -> dict[str, Any]:
-    """Nanotron accepts a single folder or weight where a list is meant: wrap it."""
-    out = dict(raw)
-    if isinstance(out.get("dataset_folder"), str):
-        out["dataset_folder"] = [out["dataset_folder"]]
-    if isinstance(out.get("dataset_weights"), int | float) and not isinstance(
-        out.get("dataset_weights"), bool
-    ):
-        out["dataset_weights"] = [float(out["dataset_weights"])]
-    return out
 
 
 def build_data(cfg: Config, pc) -> Any:
@@ -38,23 +27,14 @@ def build_data(cfg: Config, pc) -> Any:
             dp_size=pc.dp_size,
             dp_rank=pc.dp_rank,
         )
-    if any(synthetic):
-        raise ConfigError(
-            "data_stages", "mixing synthetic (dataset: null) and real stages is not supported"
-        )
-    from nanotron_train.config_loader import from_dict
-    from nanotron_train.data import DatasetSpec, StageSpec, TrainData
-
     stages = [
         StageSpec(
             name=s.name,
             start_training_step=s.start_training_step,
-            dataset=from_dict(
-                DatasetSpec, dataset_spec_dict(s.data.dataset), f"data_stages.{i}.data.dataset"
-            ),
+            dataset=s.data.dataset,
             seed=s.data.seed,
         )
-        for i, s in enumerate(cfg.data_stages)
+        for s in cfg.data_stages
     ]
     return TrainData(
         stages,

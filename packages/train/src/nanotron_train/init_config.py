@@ -30,6 +30,7 @@ def _base(
         "optimizer": {
             "zero_stage": 0,
             "weight_decay": 0.01,
+            "weight_decay_exclude_named_params": [".*norm.*", ".*bias"],
             "clip_grad": 1.0,
             "accumulate_grad_in_fp32": True,
             "learning_rate_scheduler": {

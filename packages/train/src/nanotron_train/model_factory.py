@@ -48,6 +48,7 @@ def build_model(
         tp_mode=cfg.parallelism.tp_mode,
         seed=cfg.general.seed,
         init_std=cfg.model.init_method.std,
+        scaling_method=cfg.model.init_method.scaling_method,
         dtype=DTYPES[cfg.model.dtype],
         device=pc.device,
     )

@@ -1,10 +1,11 @@
-"""AdamW over this rank's parameter ranges, with fp32 master weights where needed.
+"""AdamW (or SGD) over this rank's parameter ranges, with fp32 master weights where needed.
 
 The optimizer sees one fp32 "master" tensor per owned range (the whole parameter for
 zero_stage 0, this dp rank's part for ZeRO-1). When the parameter is fp32 the master is a view
 into it, so stepping it updates the model in place; when the model is bf16/fp16 the master is an
-fp32 copy, stepped and then copied back (accumulate_grad_in_fp32). Weight decay skips norms and
-biases (1-D parameters, or names containing "norm" or ending in "bias").
+fp32 copy, stepped and then copied back (accumulate_grad_in_fp32). Weight decay applies to every
+parameter except those whose name (ours or Nanotron's) a regex of
+`optimizer.weight_decay_exclude_named_params` matches, as in Nanotron.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from nanotron_train.nanotron_names import excluded_from_weight_decay
 
 
 class OptimizerConfigError(ValueError):
@@ -30,12 +33,11 @@ class Piece:
     decay: bool
 
 
-def uses_weight_decay(name: str, param: nn.Parameter) -> bool:
-    return param.ndim > 1 and "norm" not in name and not name.endswith("bias")
-
-
 def build_pieces(
-    ranges: list[tuple[nn.Parameter, int, int]], names: dict[int, str], master_dtype=torch.float32
+    ranges: list[tuple[nn.Parameter, int, int]],
+    names: dict[int, str],
+    master_dtype=torch.float32,
+    exclude_from_decay: list[str] | None = None,
 ) -> list[Piece]:
     pieces = []
     for p, start, end in ranges:
@@ -45,12 +47,29 @@ def build_pieces(
         else:
             master, is_copy = flat[start:end].to(master_dtype).clone(), True
         name = names.get(id(p), "")
-        pieces.append(Piece(name, p, start, end, master, is_copy, uses_weight_decay(name, p)))
+        decay = not excluded_from_weight_decay(name, exclude_from_decay)
+        pieces.append(Piece(name, p, start, end, master, is_copy, decay))
     return pieces
 
 
+def optimizer_kwargs(factory) -> dict:
+    """AdamWOnPieces keywords from `optimizer.optimizer_factory` (Nanotron's defaults filled in)."""
+    if factory.name == "sgd":
+        return {"name": "sgd", "betas": (0.0, 0.0), "eps": 0.0}
+    return {
+        "name": "adamW",
+        "betas": (
+            0.9 if factory.adam_beta1 is None else factory.adam_beta1,
+            0.95 if factory.adam_beta2 is None else factory.adam_beta2,
+        ),
+        "eps": 1e-8 if factory.adam_eps is None else factory.adam_eps,
+        "fused": bool(factory.torch_adam_is_fused),
+    }
+
+
 class AdamWOnPieces:
-    """torch.optim.AdamW stepping the masters with gradients taken from `param.main_grad`."""
+    """torch.optim.AdamW (or, `name="sgd"`, torch.optim.SGD as Nanotron builds it: no momentum)
+    stepping the masters with gradients taken from `param.main_grad`."""
 
     def __init__(
         self,
@@ -60,6 +79,7 @@ class AdamWOnPieces:
         betas: tuple[float, float],
         eps: float,
         fused: bool = False,
+        name: str = "adamW",
     ) -> None:
         self.pieces = pieces
         decay = [pc.master for pc in pieces if pc.decay]
@@ -73,6 +93,8 @@ class AdamWOnPieces:
         if not any(g["params"] for g in groups):
             # A rank that owns nothing (tiny model, large dp) still runs the same steps.
             self.inner = None
+        elif name == "sgd":
+            self.inner = torch.optim.SGD(groups, lr=lr, foreach=False)
         else:
             self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
 

@@ -40,7 +40,7 @@ from nanotron_train.metrics import (
     peak_memory_bytes,
 )
 from nanotron_train.model_factory import DTYPES, padded_model_config
-from nanotron_train.optim import AdamWOnPieces, build_pieces
+from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
 from nanotron_train.perf import build_train_model
 from nanotron_train.profiling import StepProfiler
 
@@ -98,15 +98,16 @@ class Trainer:
             full_reduce=tied_ids,
         )
         names = {id(p): n for n, p in named}
-        pieces = build_pieces(owned_ranges(self.grads, zero), names)
-        f = opt.optimizer_factory
+        pieces = build_pieces(
+            owned_ranges(self.grads, zero),
+            names,
+            exclude_from_decay=opt.weight_decay_exclude_named_params,
+        )
         optimizer = AdamWOnPieces(
             pieces,
             lr=opt.learning_rate_scheduler.learning_rate,
             weight_decay=opt.weight_decay,
-            betas=(f.adam_beta1, f.adam_beta2),
-            eps=f.adam_eps,
-            fused=f.torch_adam_is_fused,
+            **optimizer_kwargs(opt.optimizer_factory),
         )
         schedule = build_lr_schedule(opt.learning_rate_scheduler, cfg.tokens.train_steps)
         data = build_data(cfg, pc)

@@ -6,21 +6,62 @@ from dataclasses import dataclass
 
 from nanotron_train.data.errors import DataError
 
+NANOSET_ONLY = (
+    "dataset_folder", "dataset_weights", "dataset_read_path", "tokenizer_name", "vocab_size",
+    "token_size_in_bytes", "return_positions", "skip_in_stream",
+    "pad_samples_to_global_batch_size", "dataset_max_tokens", "shuffle_files",
+    "use_old_brrr_dataloader",
+)  # fmt: skip
+HF_ONLY = (
+    "hf_dataset_or_datasets", "hf_dataset_splits", "hf_dataset_config_name",
+    "dataset_processing_num_proc_per_process", "dataset_overwrite_cache", "text_column_name",
+)  # fmt: skip
+
 
 @dataclass
 class DatasetSpec:
-    """``data_stages[].data.dataset``: Nanoset folder(s) with weights, or a raw local dataset."""
+    """``data_stages[].data.dataset``: Nanotron's NanosetDatasetsArgs or PretrainDatasetsArgs.
 
-    dataset_folder: list[str] | None = None  # a single str is accepted and wrapped
-    dataset_weights: list[float] | None = None
+    One class for both, as the YAML does not say which it is: ``dataset_folder`` (tokenized
+    folders: ours or datatrove's) or ``hf_dataset_or_datasets`` (local raw data, tokenized once
+    into the cache). ``validate_stages`` refuses keys of the other kind.
+    """
+
+    # Nanoset (tokenized folders)
+    dataset_folder: str | list[str] | None = None
+    dataset_weights: float | list[float] | None = None
+    dataset_read_path: str | list[str] | None = None  # read here instead, where it exists
+    tokenizer_name: str | None = None  # must match the folders' tokenizer when given
+    vocab_size: int | None = None  # must equal model_config.vocab_size when given
+    token_size_in_bytes: int | None = None  # must match the folders' token size when given
+    return_positions: bool = False  # true: position_ids restart at each document
+    skip_in_stream: bool = False
+    pad_samples_to_global_batch_size: bool = False
+    dataset_max_tokens: list[int] | None = None  # use only the first N tokens of each folder
+    shuffle_files: bool = False
+    use_old_brrr_dataloader: bool = False
+    # Raw local data
     hf_dataset_or_datasets: str | None = None  # local files/folder, tokenized on first use
-    text_column_name: str = "text"
+    hf_dataset_splits: str | list[str] | None = None  # "train" (Nanotron's default) or a list
+    hf_dataset_config_name: str | None = None
+    dataset_processing_num_proc_per_process: int = 1  # tokenizer worker processes
+    dataset_overwrite_cache: bool = False  # re-tokenize even when the cache has it
+    text_column_name: str | None = None  # "text" when null (Nanotron's default)
+    # SFTDatasetsArgs: refused (fine-tuning datasets are not part of this project)
+    sft_dataloader: bool | None = None
+    debug_max_samples: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset_folder, str):
             self.dataset_folder = [self.dataset_folder]
+        if isinstance(self.dataset_read_path, str):
+            self.dataset_read_path = [self.dataset_read_path]
         if isinstance(self.dataset_weights, (int, float)):
             self.dataset_weights = [float(self.dataset_weights)]
+        if isinstance(self.hf_dataset_splits, str):
+            self.hf_dataset_splits = [self.hf_dataset_splits]
+        if self.text_column_name is None:
+            self.text_column_name = "text"
 
 
 @dataclass

@@ -1,0 +1,453 @@
+"""The checks a typed config must pass, as one table.
+
+Each row names the key its error is about, a predicate on the config, and the message. Rows
+read top to bottom in the order of Nanotron's sections; `validate` stops at the first failure
+(a ConfigError naming the key and the file). Rows of `STAGE_CHECKS` run once per data stage,
+with `{i}` in their key replaced by the stage index. The two refusal helpers are for whole
+Nanotron features this project does not have: their message says which feature.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nanotron_models.config import ModelConfigError
+from nanotron_train.config_loader import ConfigError
+from nanotron_train.data.stages import HF_ONLY, NANOSET_ONLY, DatasetSpec
+from nanotron_train.perf_config import validate_perf
+
+if TYPE_CHECKING:
+    from nanotron_train.config import Config, DatasetStageArgs
+
+
+@dataclass(frozen=True)
+class Check:
+    key: str
+    holds: Callable[..., bool]  # (cfg) or, in STAGE_CHECKS, (cfg, stage)
+    message: Callable[..., str] | str
+
+
+def value(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def at_least(path: str, low: float) -> Check:
+    return Check(
+        path, lambda c: value(c, path) >= low, lambda c: f"must be >= {low}, got {value(c, path)}"
+    )
+
+
+def positive(path: str) -> Check:
+    return Check(path, lambda c: value(c, path) > 0, lambda c: f"must be > 0, got {value(c, path)}")
+
+
+def refused(path: str, allowed: Callable[[Any], bool], feature: str) -> Check:
+    """A key whose value asks for a Nanotron feature this project does not have."""
+    return Check(
+        path,
+        lambda c: allowed(value(c, path)),
+        lambda c: f"{value(c, path)!r} asks for {feature}, which this project does not have",
+    )
+
+
+def _model_config_error(cfg: Config) -> str | None:
+    try:
+        cfg.model.model_config.validate(tp=cfg.parallelism.tp)
+    except ModelConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _regex_error(patterns: list[str] | None) -> str | None:
+    for pattern in patterns or []:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            return f"{pattern!r} is not a regular expression ({exc})"
+    return None
+
+
+def _is_s3(path: str | None) -> bool:
+    return bool(path) and str(path).startswith("s3://")
+
+
+_ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps", "torch_adam_is_fused")
+_MOE_FEATURE = "expert parallelism (mixture-of-experts models)"
+_SECTION_FEATURES = {
+    "lighteval": "LightEval evaluation runs",
+    "s3_upload": "uploading checkpoints to S3",
+    "metrics_logging": "Nanotron's per-layer detailed metrics",
+}
+
+CHECKS: tuple[Check, ...] = (
+    # general
+    Check(
+        "general.step",
+        lambda c: c.general.step is None or bool(c.checkpoints.resume_checkpoint_path),
+        "is the step of the checkpoint this config was saved with: set "
+        "checkpoints.resume_checkpoint_path to resume from it, or set it to null",
+    ),
+    Check(
+        "general.consumed_train_samples",
+        lambda c: (
+            c.general.consumed_train_samples is None or bool(c.checkpoints.resume_checkpoint_path)
+        ),
+        "is recorded by a checkpoint: set checkpoints.resume_checkpoint_path, or set it to null",
+    ),
+    # parallelism
+    at_least("parallelism.dp", 1),
+    at_least("parallelism.tp", 1),
+    at_least("parallelism.pp", 1),
+    refused("parallelism.expert_parallel_size", lambda v: v == 1, _MOE_FEATURE),
+    refused("parallelism.context_parallel_size", lambda v: v == 1, "context parallelism"),
+    Check(
+        "parallelism.tp_linear_async_communication",
+        lambda c: (
+            not c.parallelism.tp_linear_async_communication
+            or c.parallelism.tp_mode == "REDUCE_SCATTER"
+        ),
+        "requires parallelism.tp_mode: REDUCE_SCATTER (as in Nanotron)",
+    ),
+    # model
+    Check("model", lambda c: _model_config_error(c) is None, _model_config_error),
+    Check(
+        "parallelism.pp",
+        lambda c: c.parallelism.pp <= c.model.model_config.num_hidden_layers,
+        lambda c: (
+            f"pp={c.parallelism.pp} is more than model.model_config.num_hidden_layers="
+            f"{c.model.model_config.num_hidden_layers}"
+        ),
+    ),
+    at_least("model.make_vocab_size_divisible_by", 1),
+    refused("model.init_method.use_mup", lambda v: not v, "spectral muP initialisation"),
+    refused(
+        "model.init_method.path",
+        lambda v: v is None,
+        "initialising from an existing Nanotron checkpoint (convert it with `python -m "
+        "nanotron_train.convert from-nanotron`, then resume from the result)",
+    ),
+    Check(
+        "model.init_method.std",
+        lambda c: c.model.init_method.std is not None and c.model.init_method.std > 0,
+        lambda c: f"must be > 0, got {c.model.init_method.std}",
+    ),
+    Check(
+        "model.init_method.scaling_method",
+        lambda c: c.model.init_method.scaling_method in ("NONE", "NUM_LAYERS"),
+        lambda c: (
+            f"{c.model.init_method.scaling_method} is not implemented by Nanotron either "
+            "(it raises); use NUM_LAYERS or NONE"
+        ),
+    ),
+    # tokenizer
+    Check(
+        "tokenizer.tokenizer_max_length",
+        lambda c: c.tokenizer.tokenizer_max_length is None,
+        "is read nowhere, in Nanotron or here (samples are tokens.sequence_length + 1 "
+        "tokens): set it to null",
+    ),
+    # tokens
+    at_least("tokens.sequence_length", 1),
+    at_least("tokens.micro_batch_size", 1),
+    at_least("tokens.batch_accumulation_per_replica", 1),
+    at_least("tokens.train_steps", 1),
+    # optimizer
+    Check(
+        "optimizer.zero_stage",
+        lambda c: c.optimizer.zero_stage in (0, 1),
+        lambda c: f"must be 0 or 1, got {c.optimizer.zero_stage}",
+    ),
+    at_least("optimizer.weight_decay", 0),
+    Check(
+        "optimizer.weight_decay_exclude_named_params",
+        lambda c: _regex_error(c.optimizer.weight_decay_exclude_named_params) is None,
+        lambda c: _regex_error(c.optimizer.weight_decay_exclude_named_params),
+    ),
+    Check(
+        "optimizer.clip_grad",
+        lambda c: c.optimizer.clip_grad is None or c.optimizer.clip_grad > 0,
+        "must be > 0 or null",
+    ),
+    positive("optimizer.learning_rate_scheduler.learning_rate"),
+    at_least("optimizer.learning_rate_scheduler.lr_warmup_steps", 0),
+    Check(
+        "optimizer.learning_rate_scheduler.lr_decay_steps",
+        lambda c: (c.optimizer.learning_rate_scheduler.lr_decay_steps or 1) >= 1,
+        "must be >= 1 or null",
+    ),
+    Check(
+        "optimizer.optimizer_factory",
+        lambda c: (
+            c.optimizer.optimizer_factory.name != "sgd"
+            or all(getattr(c.optimizer.optimizer_factory, k) is None for k in _ADAM_KEYS)
+        ),
+        f"name: sgd takes none of {', '.join(_ADAM_KEYS)} (they are AdamW's)",
+    ),
+    Check(
+        "optimizer.optimizer_factory.adam_beta1",
+        lambda c: 0 <= (c.optimizer.optimizer_factory.adam_beta1 or 0) < 1,
+        "must be in [0, 1)",
+    ),
+    Check(
+        "optimizer.optimizer_factory.adam_beta2",
+        lambda c: 0 <= (c.optimizer.optimizer_factory.adam_beta2 or 0) < 1,
+        "must be in [0, 1)",
+    ),
+    Check(
+        "optimizer.optimizer_factory.adam_eps",
+        lambda c: (c.optimizer.optimizer_factory.adam_eps or 1.0) > 0,
+        "must be > 0",
+    ),
+    # checkpoints
+    at_least("checkpoints.checkpoint_interval", 1),
+    refused("checkpoints.checkpoints_path", lambda v: not _is_s3(v), "checkpoints on S3"),
+    refused("checkpoints.resume_checkpoint_path", lambda v: not _is_s3(v), "checkpoints on S3"),
+    Check(
+        "checkpoints.save_initial_state",
+        lambda c: not c.checkpoints.save_initial_state or bool(c.checkpoints.checkpoints_path),
+        "needs checkpoints.checkpoints_path",
+    ),
+    Check(
+        "checkpoints.keep_last_n",
+        lambda c: c.checkpoints.keep_last_n is None or c.checkpoints.keep_last_n >= 1,
+        "must be >= 1 or null",
+    ),
+    # data stages (each stage: STAGE_CHECKS)
+    Check("data_stages", lambda c: len(c.data_stages) >= 1, "needs at least one stage"),
+    Check(
+        "data_stages",
+        lambda c: len({s.data.dataset is None for s in c.data_stages}) == 1,
+        "mixing synthetic (dataset: null) and real datasets is not supported",
+    ),
+    Check(
+        "data_stages.0.start_training_step",
+        lambda c: c.data_stages[0].start_training_step == 1,
+        lambda c: f"must be 1, got {c.data_stages[0].start_training_step}",
+    ),
+    Check(
+        "data_stages",
+        lambda c: (
+            [s.start_training_step for s in c.data_stages]
+            == sorted({s.start_training_step for s in c.data_stages})
+        ),
+        lambda c: (
+            "start_training_step values must be increasing, got "
+            f"{[s.start_training_step for s in c.data_stages]}"
+        ),
+    ),
+    Check(
+        "data_stages",
+        lambda c: len({s.name for s in c.data_stages}) == len(c.data_stages),
+        lambda c: f"stage names must be unique, got {[s.name for s in c.data_stages]}",
+    ),
+    # logging
+    at_least("logging.iteration_step_info_interval", 1),
+    # whole sections of absent features
+    *(refused(name, lambda v: v is None, feature) for name, feature in _SECTION_FEATURES.items()),
+)
+
+
+def _spec_kind_error(ds: DatasetSpec | None) -> str | None:
+    """Keys of Nanotron's other dataset class (Nanoset vs Hugging Face) given with this one."""
+    if ds is None:
+        return None
+    if (ds.dataset_folder is None) == (ds.hf_dataset_or_datasets is None):
+        return "give exactly one of dataset_folder or hf_dataset_or_datasets"
+    default = DatasetSpec()
+    others = HF_ONLY if ds.dataset_folder is not None else NANOSET_ONLY
+    kind = "dataset_folder" if ds.dataset_folder is not None else "hf_dataset_or_datasets"
+    for key in others:
+        if getattr(ds, key) != getattr(default, key) and key != "text_column_name":
+            return f"{key} does not apply with {kind}"
+    if ds.dataset_folder is not None and ds.text_column_name != "text":
+        return f"text_column_name does not apply with {kind}"
+    return None
+
+
+def _count_error(ds: DatasetSpec | None) -> str | None:
+    if ds is None or ds.dataset_folder is None:
+        return None
+    n = len(ds.dataset_folder)
+    if n == 0:
+        return "dataset_folder: the list is empty"
+    for key in ("dataset_weights", "dataset_read_path", "dataset_max_tokens"):
+        given = getattr(ds, key)
+        if given is not None and len(given) != n:
+            return f"{key}: {len(given)} values for {n} folders"
+    weights = ds.dataset_weights or [1.0]
+    if any(w < 0 for w in weights) or not sum(weights) > 0:
+        return f"dataset_weights: {weights} must be non-negative and sum to more than 0"
+    if any(t < 1 for t in ds.dataset_max_tokens or []):
+        return f"dataset_max_tokens: {ds.dataset_max_tokens} must be >= 1"
+    return None
+
+
+def _seq(cfg: Config, stage: DatasetStageArgs) -> int:
+    return stage.sequence_length or cfg.tokens.sequence_length
+
+
+def _dataset(stage: DatasetStageArgs) -> DatasetSpec:
+    return stage.data.dataset or DatasetSpec()
+
+
+STAGE_CHECKS: tuple[Check, ...] = (
+    Check(
+        "data_stages.{i}.sequence_length",
+        lambda c, s: _seq(c, s) <= c.model.model_config.max_position_embeddings,
+        lambda c, s: (
+            f"{_seq(c, s)} exceeds model.model_config.max_position_embeddings="
+            f"{c.model.model_config.max_position_embeddings}"
+        ),
+    ),
+    Check(
+        "data_stages.{i}.sequence_length",
+        lambda c, s: s.sequence_length is None or s.sequence_length >= 1,
+        "must be >= 1 or null",
+    ),
+    Check(
+        "data_stages.{i}.sequence_length",
+        lambda c, s: (
+            c.parallelism.tp_mode != "REDUCE_SCATTER" or _seq(c, s) % c.parallelism.tp == 0
+        ),
+        lambda c, s: (
+            f"{_seq(c, s)} must be divisible by tp={c.parallelism.tp} in REDUCE_SCATTER mode"
+        ),
+    ),
+    Check(
+        "data_stages.{i}.data.num_loading_workers",
+        lambda c, s: s.data.num_loading_workers >= 0,
+        "must be >= 0",
+    ),
+    Check(
+        "data_stages.{i}.data.dataset.token_size_in_bytes",
+        lambda c, s: _dataset(s).token_size_in_bytes in (None, 2, 4),
+        "must be 2 or 4",
+    ),
+    Check(
+        "data_stages.{i}.data.dataset.skip_in_stream",
+        lambda c, s: not _dataset(s).skip_in_stream,
+        "true asks to skip consumed samples by reading through them; resume here seeks to the "
+        "position directly (the same samples): set it to false",
+    ),
+    Check(
+        "data_stages.{i}.data.dataset.pad_samples_to_global_batch_size",
+        lambda c, s: not _dataset(s).pad_samples_to_global_batch_size,
+        "true pads a last partial batch; here the sample stream wraps into a new epoch and "
+        "every batch is full: set it to false",
+    ),
+    Check(
+        "data_stages.{i}.data.dataset.use_old_brrr_dataloader",
+        lambda c, s: not _dataset(s).use_old_brrr_dataloader,
+        "true asks for Nanotron's legacy brrr dataloader, which this project does not have",
+    ),
+    Check(
+        "data_stages.{i}.data.dataset.hf_dataset_config_name",
+        lambda c, s: _dataset(s).hf_dataset_config_name is None,
+        "selects a configuration of a Hugging Face hub dataset; downloading from the hub is "
+        "not part of this project (give a local dataset folder or files, and null here)",
+    ),
+    *(
+        Check(
+            f"data_stages.{{i}}.data.dataset.{key}",
+            lambda c, s, key=key: getattr(_dataset(s), key) is None,
+            "asks for Nanotron's SFT (fine-tuning) datasets, which this project does not have",
+        )
+        for key in ("sft_dataloader", "debug_max_samples")
+    ),
+    Check(
+        "data_stages.{i}.data.dataset",
+        lambda c, s: _spec_kind_error(s.data.dataset) is None,
+        lambda c, s: _spec_kind_error(s.data.dataset),
+    ),
+    Check(
+        "data_stages.{i}.data.dataset",
+        lambda c, s: _count_error(s.data.dataset) is None,
+        lambda c, s: _count_error(s.data.dataset),
+    ),
+    Check(
+        "data_stages.{i}.data.dataset.vocab_size",
+        lambda c, s: _dataset(s).vocab_size in (None, c.model.model_config.vocab_size),
+        lambda c, s: (
+            f"{_dataset(s).vocab_size} differs from model.model_config.vocab_size="
+            f"{c.model.model_config.vocab_size} (Nanotron refuses this too)"
+        ),
+    ),
+    Check(
+        "data_stages.{i}.data.dataset.dataset_processing_num_proc_per_process",
+        lambda c, s: _dataset(s).dataset_processing_num_proc_per_process >= 1,
+        "must be >= 1",
+    ),
+)
+
+
+def _not_yet(key: str, holds: Callable[..., bool]) -> Check:
+    return Check(key, holds, "is not wired yet in this version: leave it at its default")
+
+
+# Keys whose non-default values are being wired (issue 14); each row goes when its value works.
+NOT_YET: tuple[Check, ...] = (
+    _not_yet("general.benchmark_csv_path", lambda c: c.general.benchmark_csv_path is None),
+    _not_yet("general.ignore_sanity_checks", lambda c: c.general.ignore_sanity_checks),
+    _not_yet(
+        "model.model_config.z_loss_enabled", lambda c: not c.model.model_config.z_loss_enabled
+    ),
+    _not_yet("tokenizer.tokenizer_revision", lambda c: c.tokenizer.tokenizer_revision is None),
+    _not_yet("checkpoints.save_initial_state", lambda c: not c.checkpoints.save_initial_state),
+    _not_yet("logging.log_level", lambda c: c.logging.log_level == "info"),
+    _not_yet("logging.log_level_replica", lambda c: c.logging.log_level_replica == "info"),
+)
+NOT_YET_STAGE: tuple[Check, ...] = (
+    _not_yet(
+        "data_stages.{i}.sequence_length",
+        lambda c, s: s.sequence_length in (None, c.tokens.sequence_length),
+    ),
+    _not_yet(
+        "data_stages.{i}.data.dataset",
+        lambda c, s: (
+            _dataset(s).dataset_read_path is None
+            and _dataset(s).tokenizer_name is None
+            and _dataset(s).token_size_in_bytes is None
+            and not _dataset(s).return_positions
+            and _dataset(s).dataset_max_tokens is None
+            and not _dataset(s).shuffle_files
+            and _dataset(s).hf_dataset_splits in (None, ["train"])
+            and not _dataset(s).dataset_overwrite_cache
+        ),
+    ),
+)
+
+
+def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
+    """Run every check; the first failure is a ConfigError naming its key and `source`."""
+    par = cfg.parallelism
+    if world_size is not None and par.dp * par.tp * par.pp != world_size:
+        raise ConfigError(
+            "parallelism",
+            f"dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.dp * par.tp * par.pp} but the world "
+            f"size is {world_size}",
+            source,
+        )
+    for check in (*CHECKS, *NOT_YET):
+        if not check.holds(cfg):
+            _fail(check, source, cfg)
+    for i, stage in enumerate(cfg.data_stages):
+        for check in (*STAGE_CHECKS, *NOT_YET_STAGE):
+            if not check.holds(cfg, stage):
+                _fail(check, source, cfg, stage, key=check.key.format(i=i))
+    validate_perf(cfg, source)
+    return cfg
+
+
+def _fail(check: Check, source: str, *args: Any, key: str | None = None) -> None:
+    message = check.message if isinstance(check.message, str) else check.message(*args)
+    key = key or check.key
+    if key == "model":  # the model package's message starts with the field: name it as the key
+        field = message.split(" ", 1)[0].rstrip(":")
+        if field.startswith("model_config"):
+            key = "model." + field
+    raise ConfigError(key, message, source)

@@ -1,0 +1,249 @@
+"""A Nanotron user's config works here: every Nanotron key is implemented or refused in one
+line, the README table says which and cannot drift, and Nanotron's own example YAML runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import math
+import re
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nanotron_train.config import Config, ConfigError, config_from_dict, expand_run_name
+
+HERE = Path(__file__).parent / "nanotron"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = HERE / "config_tiny_llama.yaml"
+NANOTRON_KEYS = [k.strip() for k in (HERE / "nanotron_keys.txt").read_text().splitlines()]
+
+
+def example() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def readme_table() -> dict[str, str]:
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- nanotron-keys:start -->")[1].split("<!-- nanotron-keys:end -->")[0]
+    return dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", block, flags=re.M))
+
+
+def _field_type(cls: type, name: str) -> type | None:
+    hints = typing.get_type_hints(cls)
+    if name not in hints:
+        return None
+    tp = hints[name]
+    while typing.get_origin(tp) in (typing.Union, types.UnionType, list):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = next((a for a in args if dataclasses.is_dataclass(a)), args[0])
+    return tp
+
+
+def resolves(key: str) -> bool:
+    """The dotted Nanotron key is a field of our config dataclasses."""
+    cls: type | None = Config
+    for part in key.split("."):
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return False
+        if part not in {f.name for f in dataclasses.fields(cls)}:
+            return False
+        cls = _field_type(cls, part)
+    return True
+
+
+def test_readme_table_lists_every_nanotron_key_and_each_is_a_field():
+    table = readme_table()
+    assert sorted(table) == sorted(NANOTRON_KEYS)
+    assert [k for k in NANOTRON_KEYS if not resolves(k)] == []
+
+
+# A value that asks for a feature we do not have, per key the README marks "refused".
+REFUSALS = {
+    "metrics_logging": {"log_level": 1, "log_detail_interval": 10},
+    "lighteval": {"eval_interval": 10},
+    "s3_upload": {"upload_s3_path": "s3://bucket/run", "remove_after_upload": True},
+    "parallelism.expert_parallel_size": 2,
+    "parallelism.context_parallel_size": 2,
+    "model.init_method.use_mup": True,
+    "model.init_method.path": "/some/checkpoint",
+    "tokenizer.tokenizer_max_length": 2048,
+    "data_stages.data.dataset.hf_dataset_config_name": "en",
+    "data_stages.data.dataset.use_old_brrr_dataloader": True,
+    "data_stages.data.dataset.sft_dataloader": True,
+    "data_stages.data.dataset.debug_max_samples": 10,
+}
+
+
+def _set(data: dict, key: str, value) -> str:
+    """Set a Nanotron dotted key in the example config; returns the key as errors name it."""
+    parts = key.split(".")
+    if parts[0] == "data_stages":
+        node, named = data["data_stages"][0], ["data_stages", "0"]
+        parts = parts[1:]
+    else:
+        node, named = data, []
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        named.append(part)
+    node[parts[-1]] = value
+    return ".".join(named + [parts[-1]])
+
+
+def test_each_refused_key_is_one_line_naming_it():
+    table = readme_table()
+    refused = sorted(k for k, v in table.items() if v.startswith("refused"))
+    assert refused == sorted(REFUSALS)
+    for key, bad in REFUSALS.items():
+        data = example()
+        named = _set(data, key, bad)
+        with pytest.raises(ConfigError) as err:
+            config_from_dict(data, "ex.yaml", world_size=8)
+        assert str(err.value).startswith(f"ex.yaml: {named}: "), str(err.value)
+        assert "\n" not in str(err.value)
+
+
+def test_example_loads_unchanged_with_nanotron_meanings(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    cfg = config_from_dict(example(), "ex.yaml", world_size=8)
+    par = cfg.parallelism
+    assert (par.dp, par.tp, par.pp, par.tp_mode, par.pp_engine) == (
+        2,
+        2,
+        2,
+        "REDUCE_SCATTER",
+        "1f1b",
+    )
+    assert cfg.model.dtype == "bfloat16" and cfg.model.init_method.scaling_method == "NUM_LAYERS"
+    assert cfg.model.model_config.attention_backend == "flash_attn"
+    assert [s.sequence_length for s in cfg.data_stages] == [256, 256]
+    assert cfg.data_stages[1].data.dataset.hf_dataset_splits == ["train"]
+    assert cfg.optimizer.weight_decay_exclude_named_params == []
+    # Nanotron's defaults where a key is left out
+    data = example()
+    del data["model"]["dtype"], data["parallelism"]["pp_engine"]
+    del data["optimizer"]["learning_rate_scheduler"]["lr_decay_style"]
+    data["general"]["run"] = "r_%jobid_%date"
+    cfg = config_from_dict(data, "ex.yaml", world_size=8)
+    assert cfg.model.dtype == "bfloat16" and cfg.parallelism.pp_engine == "afab"
+    assert cfg.optimizer.learning_rate_scheduler.lr_decay_style == "linear"
+    assert re.fullmatch(r"r_4242_\d{8}_\d{6}", cfg.general.run)
+
+
+def test_run_name_templates_and_case_insensitive_enums(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    when = datetime.datetime(2026, 4, 7, 15, 25, 9)
+    assert expand_run_name(None, when) == "20260407_152509_local"
+    assert expand_run_name("a_%date", when) == "a_20260407_152509"
+    data = example()
+    data["parallelism"].update(tp_mode="reduce_scatter", pp_engine="AFAB")
+    data["optimizer"]["optimizer_factory"]["name"] = "AdamW"
+    cfg = config_from_dict(data, "ex.yaml", world_size=8)
+    assert (cfg.parallelism.tp_mode, cfg.parallelism.pp_engine) == ("REDUCE_SCATTER", "afab")
+    assert cfg.optimizer.optimizer_factory.name == "adamW"
+
+
+def test_weight_decay_exclusions_match_ours_or_nanotrons_names():
+    from nanotron_train.nanotron_names import excluded_from_weight_decay, from_nanotron, to_nanotron
+
+    nt = "model.decoder.3.pp_block.post_attention_layernorm.weight"
+    assert to_nanotron("decoder.3.post_attn_norm.weight") == nt
+    assert from_nanotron(nt) == "decoder.3.post_attn_norm.weight"
+    assert to_nanotron("chunks.1.decoder.3.mlp.down.weight").endswith(
+        "3.pp_block.mlp.down_proj.weight"
+    )
+    assert not excluded_from_weight_decay("decoder.0.attn.qkv.weight", [])  # default: decay all
+    assert excluded_from_weight_decay("decoder.0.input_norm.weight", [".*layernorm.*"])
+    assert excluded_from_weight_decay("embedding.weight", ["model.token_position_embeddings"])
+    assert not excluded_from_weight_decay("decoder.0.attn.qkv.weight", [".*layernorm.*", ".*bias"])
+
+
+TINY = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32,
+}  # fmt: skip
+
+
+def tiny_config(**model_config) -> dict:
+    return {
+        "general": {"project": "t", "run": "r", "seed": 3},
+        "model": {"model_config": {**TINY, **model_config}, "dtype": "float32"},
+        "tokens": {"sequence_length": 16, "micro_batch_size": 2,
+                   "batch_accumulation_per_replica": 1, "train_steps": 3},
+        "optimizer": {"learning_rate_scheduler": {"learning_rate": 1e-2}, "weight_decay": 0.5},
+        "data_stages": [{"name": "s", "start_training_step": 1, "data": {"seed": 1}}],
+    }  # fmt: skip
+
+
+def _trainer(data: dict):
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+
+    return Trainer(config_from_dict(data), ParallelContext(1, 1, 1), stream=io.StringIO())
+
+
+def test_model_keys_reach_the_model_and_optimizer():
+    """attention_bias, scaling_method, weight decay exclusions and sgd change what is built."""
+    base = _trainer(tiny_config())
+    params = dict(base.state.model.named_parameters())
+    assert "decoder.0.attn.qkv.bias" not in params
+    o_std = float(params["decoder.0.attn.o_proj.weight"].detach().std())
+    qkv_std = float(params["decoder.0.attn.qkv.weight"].detach().std())
+    assert o_std == pytest.approx(0.02 / math.sqrt(4), rel=0.15)  # NUM_LAYERS: std / sqrt(2L)
+    assert qkv_std == pytest.approx(0.02, rel=0.15)
+    assert all(p.decay for p in base.state.optimizer.pieces)  # Nanotron: decay everything
+    base.close()
+
+    data = tiny_config(attention_bias=True)
+    data["model"]["init_method"] = {"std": 0.02, "scaling_method": "none"}
+    data["optimizer"]["weight_decay_exclude_named_params"] = [r".*\.bias$", ".*layernorm.*"]
+    data["optimizer"]["optimizer_factory"] = {"name": "SGD"}
+    tr = _trainer(data)
+    params = dict(tr.state.model.named_parameters())
+    assert params["decoder.1.attn.qkv.bias"].shape == (32 + 2 * 16,)
+    assert float(params["decoder.1.attn.o_proj.bias"].abs().sum()) == 0.0  # Nanotron: zeros
+    assert float(params["decoder.0.attn.o_proj.weight"].detach().std()) == pytest.approx(
+        0.02, rel=0.15
+    )
+    no_decay = sorted(p.name for p in tr.state.optimizer.pieces if not p.decay)
+    assert no_decay == sorted(
+        n for n in params if n.endswith(".bias") or "norm" in n and "final" not in n
+    )  # final_norm is Nanotron's final_layer_norm.pp_block.weight: no "layernorm" in it
+    assert isinstance(tr.state.optimizer.inner, torch.optim.SGD)
+    before = params["decoder.0.attn.qkv.bias"].detach().clone()
+    rec = tr.train_step()
+    after = params["decoder.0.attn.qkv.bias"].detach()
+    assert math.isfinite(rec["lm_loss"]) and not torch.equal(before, after)  # biases train
+    tr.close()
+
+
+def test_example_runs_with_only_its_data_and_layout_changed(tmp_path, monkeypatch):
+    """Nanotron's example, its two data stages pointed at local tokenized folders and its
+    2x2x2 layout folded onto one process: it trains and checkpoints as the YAML says."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.data.testing import make_id_nanoset
+    from nanotron_train.trainer import train
+
+    monkeypatch.chdir(tmp_path)
+    data = example()
+    for i, stage in enumerate(data["data_stages"]):
+        folder = make_id_nanoset(tmp_path / f"ns{i}", [300] * 40, high=256, seed=i)
+        stage["data"]["dataset"] = {"dataset_folder": str(folder)}
+    data["parallelism"].update(dp=1, tp=1, pp=1)
+    cfg = config_from_dict(data, "ex.yaml", world_size=1)
+    records = train(cfg, ParallelContext(1, 1, 1), stream=io.StringIO())
+    assert [r["step"] for r in records] == list(range(1, 16))
+    assert records[0]["lm_loss"] == pytest.approx(math.log(256), abs=0.05)  # std 0.025: ~uniform
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"]
+    assert records[0]["lr"] == pytest.approx(3e-4 / 2)  # linear warm-up over 2 steps
+    assert records[-1]["lr"] == pytest.approx(1e-5)  # cosine down to min_decay_lr at 2 + 13
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "10",
+        "15",
+        "latest.txt",
+    ]
