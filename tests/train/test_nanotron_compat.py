@@ -247,3 +247,88 @@ def test_example_runs_with_only_its_data_and_layout_changed(tmp_path, monkeypatc
         "15",
         "latest.txt",
     ]
+
+
+def _z_config(z: bool, tp: int = 1) -> dict:
+    data = tiny_config(z_loss_enabled=z, z_loss_coefficient=0.01)
+    data["parallelism"] = {"dp": 1, "tp": tp, "pp": 1, "tp_mode": "REDUCE_SCATTER"}
+    data["model"]["model_config"]["vocab_size"] = 63  # padded to 64 at tp=2: masked columns
+    return data
+
+
+def _z_records(tp: int) -> list[dict]:
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.testing import shared_default_group
+    from nanotron_train.trainer import train
+
+    torch.set_num_threads(1)
+    with shared_default_group():
+        pc = ParallelContext(1, tp, 1)
+        try:
+            return train(config_from_dict(_z_config(True, tp)), pc, stream=io.StringIO())
+        finally:
+            pc.destroy()
+
+
+def test_z_loss_is_added_logged_and_vocab_parallel():
+    """z_loss = coef * mean(logsumexp(logits)^2) is logged and included in lm_loss; at tp=2
+    (vocab-sharded, with vocab padding) the losses equal one process's."""
+    from nanotron_parallel.testing import run_distributed
+
+    off, on = _trainer(_z_config(False)), _trainer(_z_config(True))
+    position = on.state.data.state_dict()
+    batch = on.state.data.micro_batches(1)[0]
+    on.state.data.load_state_dict(position)  # train_step reads the same batch again
+    logits = on.state.model.logits(batch["input_ids"]).double()
+    expected_z = 0.01 * float((torch.logsumexp(logits, -1) ** 2).mean())
+    rec_off, rec_on = off.train_step(), on.train_step()
+    off.close(), on.close()
+    assert "z_loss" not in rec_off
+    assert rec_on["z_loss"] == pytest.approx(expected_z, rel=1e-5)
+    assert rec_on["lm_loss"] - rec_off["lm_loss"] == pytest.approx(expected_z, rel=1e-4)
+    one = _z_records(1)
+    two = run_distributed(_z_records, 2, 2, timeout=120)[0]
+    for a, b in zip(one, two, strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+        assert b["z_loss"] == pytest.approx(a["z_loss"], rel=1e-5)
+    assert one[-1]["z_loss"] != one[0]["z_loss"]  # it trains (the gradient reaches the model)
+
+
+def _stages_config(tmp_path: Path, nanoset: Path, steps: int, resume: bool = False) -> dict:
+    data = tiny_config()
+    data["tokens"]["train_steps"] = steps
+    data["data_stages"] = [
+        {"name": "warm", "start_training_step": 1, "data": {"seed": 1}, "sequence_length": 16},
+        {"name": "real", "start_training_step": 3, "sequence_length": 8,
+         "data": {"seed": 2, "dataset": {"dataset_folder": str(nanoset)}}},
+        {"name": "synth2", "start_training_step": 5, "data": {"seed": 9}},
+    ]  # fmt: skip
+    data["checkpoints"] = {
+        "checkpoints_path": str(tmp_path / "ck"), "checkpoint_interval": 4,
+        "resume_checkpoint_path": str(tmp_path / "ck") if resume else None,
+    }  # fmt: skip
+    return data
+
+
+def test_synthetic_and_real_stages_mix_with_their_own_sequence_lengths(tmp_path):
+    """Stages switch source and sample length at their start step; a resume inside the run
+    continues exactly (each stage's source keeps its position)."""
+    from nanotron_train.data.testing import make_id_nanoset
+    from nanotron_train.synthetic import synthetic_sample
+
+    nanoset = make_id_nanoset(tmp_path / "ns", [50] * 20, low=1, high=60, vocab_size=64)
+    tr = _trainer(_stages_config(tmp_path, nanoset, 6))
+    data, mbs = tr.state.data, 2
+    seen = [data.micro_batches(step)[0]["input_ids"] for step in range(1, 7)]
+    assert [tuple(x.shape) for x in seen] == [(mbs, 16)] * 2 + [(mbs, 8)] * 2 + [(mbs, 16)] * 2
+    assert torch.equal(seen[0][0], synthetic_sample(0, 1, 17, 64)[:-1])  # stage "warm"
+    assert torch.equal(seen[4][0], synthetic_sample(0, 9, 17, 64)[:-1])  # synth2: own seed, from 0
+    tokens = set(torch.cat([seen[2], seen[3]]).flatten().tolist())
+    assert tokens <= set(range(0, 60)) and len(tokens) > 20  # the nanoset's ids
+    tr.close()
+    full = _trainer(_stages_config(tmp_path, nanoset, 6)).train()
+    assert [r["consumed_tokens"] for r in full] == [32, 64, 80, 96, 128, 160]  # 2 seqs x length
+    half = _stages_config(tmp_path / "b", nanoset, 4)
+    _trainer(half).train()
+    resumed = _trainer(_stages_config(tmp_path / "b", nanoset, 6, resume=True)).train()
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in full[4:]]

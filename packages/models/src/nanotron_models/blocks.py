@@ -20,6 +20,7 @@ from nanotron_parallel.tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tp,
     vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_with_z_loss,
 )
 
 from .attention import attention, resolve_backend
@@ -192,15 +193,29 @@ class LMHead(ColumnParallelLinear):
 
 
 class Loss(nn.Module):
-    """Logit shard -> fp32 mean cross-entropy over the tokens where label_mask is true."""
+    """Logit shard -> fp32 mean cross-entropy over the tokens where label_mask is true.
 
-    def __init__(self, vocab_size: int, group):
+    With a z-loss coefficient the mean includes the z-loss, and `z_loss_sum` accumulates its
+    detached mean per micro-batch on the device (no host sync) for the trainer to log.
+    """
+
+    def __init__(self, vocab_size: int, group, z_loss_coefficient: float = 0.0):
         super().__init__()
         self.vocab_size, self.group = vocab_size, group
+        self.z_loss_coefficient = z_loss_coefficient
+        self.z_loss_sum: torch.Tensor | None = None
 
     def forward(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         labels = batch["label_ids"].transpose(0, 1)
         mask = batch["label_mask"].transpose(0, 1).to(torch.float32)
+        if self.z_loss_coefficient:
+            per_token, z_loss = vocab_parallel_cross_entropy_with_z_loss(
+                logits, labels, self.group, self.vocab_size, self.z_loss_coefficient
+            )
+            count = mask.sum().clamp(min=1.0)
+            z_mean = (z_loss * mask).sum() / count
+            self.z_loss_sum = z_mean if self.z_loss_sum is None else self.z_loss_sum + z_mean
+            return (per_token * mask).sum() / count
         if dist.get_world_size(self.group) == 1 and logits.shape[-1] == self.vocab_size:
             # Nothing to split: PyTorch's fused log-softmax kernel is the same function, faster.
             flat = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")

@@ -61,7 +61,7 @@ class LlamaStage(nn.Module):
         if "lm_head" in block_names:
             self.lm_head = LMHead(c.hidden_size, vpad, group, tp_mode, **kw)
         if "loss" in block_names:
-            self.loss = Loss(c.vocab_size, group)
+            self.loss = Loss(c.vocab_size, group, c.z_loss_weight)
 
     def block(self, name: str) -> nn.Module:
         if name.startswith("decoder."):

@@ -199,6 +199,15 @@ class Config:
         t = self.tokens
         return t.micro_batch_size * t.batch_accumulation_per_replica * self.parallelism.dp
 
+    def sequence_length_at(self, step: int) -> int:
+        """The sample length at optimizer step `step` (its data stage's, else tokens')."""
+        stage = max(
+            (s for s in self.data_stages if s.start_training_step <= step),
+            key=lambda s: s.start_training_step,
+            default=None,
+        )
+        return (stage and stage.sequence_length) or self.tokens.sequence_length
+
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
 

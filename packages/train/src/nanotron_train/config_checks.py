@@ -220,11 +220,6 @@ CHECKS: tuple[Check, ...] = (
     # data stages (each stage: STAGE_CHECKS)
     Check("data_stages", lambda c: len(c.data_stages) >= 1, "needs at least one stage"),
     Check(
-        "data_stages",
-        lambda c: len({s.data.dataset is None for s in c.data_stages}) == 1,
-        "mixing synthetic (dataset: null) and real datasets is not supported",
-    ),
-    Check(
         "data_stages.0.start_training_step",
         lambda c: c.data_stages[0].start_training_step == 1,
         lambda c: f"must be 1, got {c.data_stages[0].start_training_step}",
@@ -393,19 +388,12 @@ def _not_yet(key: str, holds: Callable[..., bool]) -> Check:
 NOT_YET: tuple[Check, ...] = (
     _not_yet("general.benchmark_csv_path", lambda c: c.general.benchmark_csv_path is None),
     _not_yet("general.ignore_sanity_checks", lambda c: c.general.ignore_sanity_checks),
-    _not_yet(
-        "model.model_config.z_loss_enabled", lambda c: not c.model.model_config.z_loss_enabled
-    ),
     _not_yet("tokenizer.tokenizer_revision", lambda c: c.tokenizer.tokenizer_revision is None),
     _not_yet("checkpoints.save_initial_state", lambda c: not c.checkpoints.save_initial_state),
     _not_yet("logging.log_level", lambda c: c.logging.log_level == "info"),
     _not_yet("logging.log_level_replica", lambda c: c.logging.log_level_replica == "info"),
 )
 NOT_YET_STAGE: tuple[Check, ...] = (
-    _not_yet(
-        "data_stages.{i}.sequence_length",
-        lambda c, s: s.sequence_length in (None, c.tokens.sequence_length),
-    ),
     _not_yet(
         "data_stages.{i}.data.dataset",
         lambda c, s: (

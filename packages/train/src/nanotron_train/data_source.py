@@ -1,4 +1,5 @@
-"""Pick the data source of a run: synthetic tokens (`dataset: null`) or the real data path."""
+"""Pick the data source of a run: synthetic tokens (`dataset: null`), the real data path, or
+both in one run (a stage of each), each stage with its own sequence length."""
 
 from __future__ import annotations
 
@@ -7,37 +8,81 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nanotron_train.config import Config
+from nanotron_train.config import Config, DatasetStageArgs
 from nanotron_train.data import StageSpec, TrainData
 from nanotron_train.synthetic import SyntheticData
 
 
+class StagedData:
+    """Data stages that each have their own source (synthetic or real): step k of the run is
+    step k - start + 1 of its stage's source. Each source keeps its own position."""
+
+    def __init__(self, starts: list[int], sources: list[Any]) -> None:
+        self.starts, self.sources = starts, sources
+
+    def stage_index(self, step: int) -> int:
+        return max(i for i, start in enumerate(self.starts) if start <= step)
+
+    def micro_batches(self, step: int) -> list[dict]:
+        i = self.stage_index(step)
+        return self.sources[i].micro_batches(step - self.starts[i] + 1)
+
+    def state_dict(self) -> dict:
+        return {"stages": [source.state_dict() for source in self.sources]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "stages" not in state:
+            if not state.get("consumed_samples"):
+                return  # a converted checkpoint that has consumed nothing (convert.py)
+            raise ValueError("data state: saved by a run whose data stages were not mixed")
+        for source, part in zip(self.sources, state["stages"], strict=True):
+            source.load_state_dict(part)
+
+
 def build_data(cfg: Config, pc) -> Any:
     """This dp rank's data: `micro_batches(step)`, `state_dict()`, `load_state_dict()`."""
+    stages = cfg.data_stages
+    synthetic = [s.data.dataset is None for s in stages]
+    if all(synthetic) and len(stages) == 1:
+        return _synthetic(cfg, pc, stages[0])
+    if not any(synthetic):  # one TrainData for every stage: one blend position across them
+        return _real(cfg, pc, stages)
+    starts = [s.start_training_step for s in stages]
+    sources = [
+        _synthetic(cfg, pc, s) if s.data.dataset is None else _real(cfg, pc, [s], first=True)
+        for s in stages
+    ]
+    return StagedData(starts, sources)
+
+
+def _synthetic(cfg: Config, pc, stage: DatasetStageArgs) -> SyntheticData:
     tok = cfg.tokens
-    synthetic = [s.data.dataset is None for s in cfg.data_stages]
-    if all(synthetic):
-        first = cfg.data_stages[0].data
-        return SyntheticData(
-            seed=first.seed,
-            sequence_length=tok.sequence_length,
-            vocab_size=cfg.model.model_config.vocab_size,
-            micro_batch_size=tok.micro_batch_size,
-            accumulation=tok.batch_accumulation_per_replica,
-            dp_size=pc.dp_size,
-            dp_rank=pc.dp_rank,
-        )
-    stages = [
+    return SyntheticData(
+        seed=stage.data.seed,
+        sequence_length=stage.sequence_length or tok.sequence_length,
+        vocab_size=cfg.model.model_config.vocab_size,
+        micro_batch_size=tok.micro_batch_size,
+        accumulation=tok.batch_accumulation_per_replica,
+        dp_size=pc.dp_size,
+        dp_rank=pc.dp_rank,
+    )
+
+
+def _real(cfg: Config, pc, stages: list[DatasetStageArgs], first: bool = False) -> TrainData:
+    """TrainData over `stages` (with `first`, one stage that starts at its source's step 1)."""
+    tok = cfg.tokens
+    specs = [
         StageSpec(
             name=s.name,
-            start_training_step=s.start_training_step,
+            start_training_step=1 if first else s.start_training_step,
             dataset=s.data.dataset,
             seed=s.data.seed,
+            sequence_length=s.sequence_length,
         )
-        for s in cfg.data_stages
+        for s in stages
     ]
     return TrainData(
-        stages,
+        specs,
         sequence_length=tok.sequence_length,
         micro_batch_size=tok.micro_batch_size,
         batch_accumulation_per_replica=tok.batch_accumulation_per_replica,

@@ -118,6 +118,8 @@ def format_line(rec: dict[str, Any], train_steps: int) -> str:
         f"lr: {rec['lr']:.4g}",
         f"model_tflops_per_gpu: {rec['model_tflops_per_gpu']:.3g}",
     ]
+    if "z_loss" in rec:
+        parts.insert(7, f"z_loss: {rec['z_loss']:.4g}")
     if rec["grad_norm"] is not None:
         parts.append(f"grad_norm: {rec['grad_norm']:.4g}")
     if rec["mfu"] is not None:

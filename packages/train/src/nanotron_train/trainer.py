@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotron_models.blocks import Loss
 from nanotron_models.flops import training_flops_per_token
 from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
 from nanotron_parallel.context import ParallelContext
@@ -115,8 +116,13 @@ class Trainer:
         # Removes unfinished saves; resumes when checkpoints.resume_checkpoint_path is set.
         self.last_saved = checkpoint_hooks.on_start(self)
         self.counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
-        mc = padded_model_config(cfg)
-        self.flops_per_token = training_flops_per_token(mc, cfg.tokens.sequence_length)
+        # z-loss: the loss blocks of this rank (last stage) sum it per micro-batch on the device.
+        self.z_loss_blocks = (
+            [m for m in model.modules() if isinstance(m, Loss)]
+            if cfg.model.model_config.z_loss_enabled
+            else []
+        )
+        self.model_config = padded_model_config(cfg)
         self.peak_tflops = device_peak_tflops(pc.device, dtype)
         self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
         self.logger: MetricsLogger | None = None
@@ -150,23 +156,28 @@ class Trainer:
         if self.zero_stage:
             all_gather_params(self.grads)
         loss = self._global_mean_loss(result.loss)
+        z_loss = self._global_mean_z_loss(len(micro_batches)) if self.z_loss_blocks else None
         if pc.device.type == "cuda":
             torch.cuda.synchronize(pc.device)
         seconds = time.perf_counter() - t0
-        tokens = self.cfg.global_batch_size * cfg.tokens.sequence_length
+        seq = cfg.sequence_length_at(step)  # data stages may change it
+        tokens = self.cfg.global_batch_size * seq
         s.step = step
         s.consumed_samples += cfg.global_batch_size
         s.consumed_tokens += tokens
         measure = StepMeasure(step, s.consumed_tokens, loss, norm, lr, seconds, tokens)
         self.profiler.end_step()
-        return make_record(
+        record = make_record(
             measure,
             pc.world_size,
-            self.flops_per_token,
+            training_flops_per_token(self.model_config, seq),
             self.peak_tflops,
             peak_memory_bytes(pc.device),
             cfg.global_batch_size,
         )
+        if z_loss is not None:
+            record["z_loss"] = z_loss  # lm_loss includes it, as in Nanotron
+        return record
 
     def _global_mean_loss(self, last_stage_loss: float | None) -> float:
         """Mean over the global batch: the last stage's micro-batch mean, averaged over dp."""
@@ -176,6 +187,14 @@ class Trainer:
         t = torch.tensor([loss], dtype=torch.float64, device=self.pc.device)
         dist.all_reduce(t, group=self.pc.dp_group)
         return float(t.item()) / self.pc.dp_size
+
+    def _global_mean_z_loss(self, micro_batches: int) -> float:
+        """The step's mean z-loss (part of lm_loss), on every rank; resets the loss blocks."""
+        sums = [m.z_loss_sum for m in self.z_loss_blocks if m.z_loss_sum is not None]
+        for m in self.z_loss_blocks:
+            m.z_loss_sum = None
+        local = float(sum(sums)) / micro_batches if sums else None
+        return self._global_mean_loss(local)
 
     def train(self) -> list[dict[str, Any]]:
         """Run until tokens.train_steps; return every step's record (on every rank)."""

@@ -1,6 +1,9 @@
 """Tensor parallelism: differentiable collectives, parallel layers, vocab-parallel loss."""
 
-from nanotron_parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from nanotron_parallel.tensor_parallel.cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_with_z_loss,
+)
 from nanotron_parallel.tensor_parallel.functional import (
     all_gather_to_tp,
     copy_to_tp,
@@ -28,4 +31,5 @@ __all__ = [
     "reduce_scatter_from_tp",
     "scatter_to_tp",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_with_z_loss",
 ]

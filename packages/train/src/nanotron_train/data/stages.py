@@ -70,6 +70,7 @@ class StageSpec:
     start_training_step: int
     dataset: DatasetSpec
     seed: int
+    sequence_length: int | None = None  # None: TrainData's sequence_length
 
 
 def check_weights(weights: list[float] | None, count: int, where: str) -> list[float]:

@@ -123,12 +123,13 @@ class TrainData:
         weights = check_weights(ds.dataset_weights, len(folders), f"data_stages[{i}].data.dataset")
         nanosets = [Nanoset(f, model_vocab_size=vocab) for f in folders]
         samplers = []
+        seq = spec.sequence_length or self.sequence_length
         for d, ns in enumerate(nanosets):
-            n = ns.num_samples(self.sequence_length)
+            n = ns.num_samples(seq)
             if n < 1:
                 raise DataError(
                     f"{ns.folder}: {ns.num_tokens} tokens are too few for one sample of "
-                    f"sequence_length + 1 = {self.sequence_length + 1}"
+                    f"sequence_length + 1 = {seq + 1}"
                 )
             if tok_sha and ns.metadata.tokenizer.get("sha256") != tok_sha:
                 logger.warning("data: %s was tokenized with another tokenizer", ns.folder)
@@ -189,7 +190,7 @@ class TrainData:
     def _collate(self, stage: _Stage, picks: list[tuple[int, int]]) -> dict:
         import torch
 
-        S = self.sequence_length
+        S = stage.spec.sequence_length or self.sequence_length
         tokens = np.empty((len(picks), S + 1), dtype=np.int64)
         arrays = [ns.tokens for ns in stage.nanosets]
         for row, (d, sample) in enumerate(picks):  # the hot loop: one slice copy per sample
