@@ -9,9 +9,15 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+# TestClient's default Host ("testserver") is not one the dashboard serves
+LOCAL = "http://127.0.0.1:8008"
+WS = "ws://127.0.0.1:8008"
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 def free_port() -> int:
@@ -83,6 +89,8 @@ def start_dashboard(
             raise RuntimeError(f"dashboard exited: {proc.stdout.read().decode()}")
         try:
             d.get("/api/session")
+            return d
+        except urllib.error.HTTPError:  # it answers (401: a token it was not given here)
             return d
         except OSError:
             time.sleep(0.1)

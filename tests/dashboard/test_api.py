@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from dashboard_helpers import JSON_HEADERS, LOCAL, WS
 from fastapi.testclient import TestClient
 
 from nanotron_dashboard.app import Settings, create_app
@@ -23,7 +24,7 @@ CMD = ["torchrun", "--nproc_per_node=2", "-m", "nanotron_train", "--config-file"
 @pytest.fixture()
 def client(tmp_path):
     app = create_app(Settings(db=str(tmp_path / "runs.db"), stall_seconds=60))
-    with TestClient(app) as c:
+    with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as c:
         yield c
 
 
@@ -123,7 +124,7 @@ def test_invalid_messages_are_rejected_with_a_reason(client):
     assert client.post("/api/ingest", content=b"{not json").status_code == 400
     big = json.dumps({"type": "heartbeat", "run_id": "r1", "pad": "x" * (2 << 20)})
     assert client.post("/api/ingest", content=big).status_code == 413
-    with client.websocket_connect("/ws/ingest") as ws:
+    with client.websocket_connect(WS + "/ws/ingest") as ws:
         ws.send_text("nope")
         assert ws.receive_json()["ok"] is False
         ws.send_text(big)
@@ -131,8 +132,8 @@ def test_invalid_messages_are_rejected_with_a_reason(client):
         ws.send_json({"type": "metrics", "run_id": "r1", "step": 4, "values": {}})
         assert "at least one metric" in ws.receive_json()["error"]
         ws.send_json(
-            {"type": "run_start", "run_id": "r1", "command": CMD, "cwd": "/w"}
-        )  # still alive
+            {"type": "run_start", "run_id": "r1", "command": CMD, "cwd": "/work dir"}
+        )  # still alive (the same run_start again: a trainer's reconnect)
         assert ws.receive_json() == {
             "ok": True,
             "type": "run_start",
@@ -250,7 +251,7 @@ def test_config_diff(client):
 
 def test_stalled_by_heartbeat_age(tmp_path):
     app = create_app(Settings(db=str(tmp_path / "s.db"), stall_seconds=0.3))
-    with TestClient(app) as c:
+    with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as c:
         start(c)
         assert c.get("/api/runs/r1").json()["status"] == "running"
         time.sleep(0.5)

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-CHROMIUM = os.environ.get("NANOTRON_CHROMIUM", "/usr/bin/chromium")
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium package")
-        pytest.skip(f"Chromium not found at {CHROMIUM} (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        yield b
-        b.close()
 
 
 def seed(d, run_id: str, tmp: Path, steps: int = 300) -> None:

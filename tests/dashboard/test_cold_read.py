@@ -8,6 +8,7 @@ import math
 import sqlite3
 
 import numpy as np
+from dashboard_helpers import JSON_HEADERS, LOCAL
 from fastapi.testclient import TestClient
 
 from nanotron_dashboard import blocks
@@ -73,7 +74,7 @@ def reference(db: str, name: str) -> list:
 
 def test_cold_read_returns_the_same_points_as_the_warm_one(tmp_path):
     db = str(tmp_path / "runs.db")
-    with TestClient(create_app(Settings(db=db))) as c:
+    with TestClient(create_app(Settings(db=db)), base_url=LOCAL, headers=JSON_HEADERS) as c:
         r = c.post("/api/ingest", json={"type": "run_start", "run_id": "r1", "time": 999.0})
         assert r.status_code == 200, r.text
         post(c, dense(range(3000)) + sparse([0, 10, 2500]))
@@ -90,7 +91,9 @@ def test_cold_read_returns_the_same_points_as_the_warm_one(tmp_path):
     assert stored == [("consumed_tokens", b) for b in range(4)] + [
         ("eval", b) for b in (0, 1, 2)
     ] + [("lm_loss", b) for b in range(4)]
-    with TestClient(create_app(Settings(db=db))) as c:  # a fresh process: an empty cache
+    with TestClient(
+        create_app(Settings(db=db)), base_url=LOCAL, headers=JSON_HEADERS
+    ) as c:  # a fresh process: an empty cache
         cold = {q: c.get(f"/api/runs/r1/metrics?{q}").json() for q in QUERIES}
     for q in QUERIES:
         assert cold[q] == warm[q], q

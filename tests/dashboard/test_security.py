@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from dashboard_helpers import JSON_HEADERS, LOCAL, WS
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
@@ -47,13 +48,13 @@ def test_missing_chart_asset_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_token_guards_api_pages_and_ingest(tmp_path):
     app = create_app(Settings(db=str(tmp_path / "t.db"), token="tok"))
-    with TestClient(app) as c:
+    with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as c:
         for path in ("/", "/runs/x", "/api/runs", "/docs", "/static/vendor/uPlot.iife.min.js"):
             assert c.get(path).status_code == 401, path
         assert c.post("/api/ingest", json={"type": "heartbeat", "run_id": "r"}).status_code == 401
-        with pytest.raises(WebSocketDisconnect), c.websocket_connect("/ws/ingest") as ws:
+        with pytest.raises(WebSocketDisconnect), c.websocket_connect(WS + "/ws/ingest") as ws:
             ws.receive_text()
-        with pytest.raises(WebSocketDisconnect), c.websocket_connect("/ws/runs/x") as ws:
+        with pytest.raises(WebSocketDisconnect), c.websocket_connect(WS + "/ws/runs/x") as ws:
             ws.receive_text()
         assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/api/runs", headers={"Authorization": "Bearer tok"}).json() == []
@@ -61,7 +62,7 @@ def test_token_guards_api_pages_and_ingest(tmp_path):
         assert r.status_code == 303 and r.headers["location"] == "/?x=1"
         assert "HttpOnly" in r.headers["set-cookie"]
         assert c.get("/api/runs").status_code == 200  # the cookie now authenticates the browser
-        with c.websocket_connect("/ws/runs") as ws:
+        with c.websocket_connect(WS + "/ws/runs") as ws:
             c.post("/api/ingest", json={"type": "run_start", "run_id": "r"})
             assert ws.receive_json() == {"type": "runs_changed", "ids": ["r"]}
 
@@ -84,12 +85,19 @@ def _with_checkpoint(c, tmp_path, command):
 
 
 def test_launch_is_off_by_default_and_csrf_protected(tmp_path):
-    with TestClient(create_app(Settings(db=str(tmp_path / "a.db")))) as c:
+    with TestClient(
+        create_app(Settings(db=str(tmp_path / "a.db"))), base_url=LOCAL, headers=JSON_HEADERS
+    ) as c:
         ck = _with_checkpoint(c, tmp_path, ["true"])
-        assert c.get("/api/session").json() == {"allow_launch": False, "csrf": None}
-        r = c.post(f"/api/checkpoints/{ck}/resume")
+        session = c.get("/api/session").json()
+        assert session["allow_launch"] is False
+        r = c.post(f"/api/checkpoints/{ck}/resume", headers={"X-CSRF-Token": session["csrf"]})
         assert r.status_code == 403 and "--allow-launch" in r.json()["detail"]
-    with TestClient(create_app(Settings(db=str(tmp_path / "b.db"), allow_launch=True))) as c:
+    with TestClient(
+        create_app(Settings(db=str(tmp_path / "b.db"), allow_launch=True)),
+        base_url=LOCAL,
+        headers=JSON_HEADERS,
+    ) as c:
         ck = _with_checkpoint(c, tmp_path, ["true"])
         csrf = c.get("/api/session").json()["csrf"]
         assert c.post(f"/api/checkpoints/{ck}/resume").status_code == 403
@@ -124,7 +132,8 @@ def test_resume_launch_runs_stored_command_and_links_parent(live_dashboard, tmp_
         "msg = {'type': 'run_start', 'run_id': 'child-' + os.path.basename(resume), 'command': sys.argv,"
         " 'cwd': os.getcwd()}\n"
         "req = urllib.request.Request(os.environ['NANOTRON_DASHBOARD_URL'] + '/api/ingest',"
-        " data=json.dumps(msg).encode(), method='POST')\n"
+        " data=json.dumps(msg).encode(), method='POST',"
+        " headers={'Content-Type': 'application/json'})\n"
         "urllib.request.urlopen(req, timeout=10).read()\n"
         "open('launched.txt', 'w').write(os.getcwd())\n"
     )

@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import json
-import secrets
+import logging
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from . import queries
 from .checkpoints import scan_checkpoints
+from .db import delete_run
 from .errors import DashboardError
-from .launch import launch_resume
-from .security import same_origin
-from .writer import upsert_checkpoint
+from .launch import AlreadyRunning
+from .security import require_csrf
+from .writer import is_disk_full, upsert_checkpoint
 
 router = APIRouter()
 STATIC = Path(__file__).parent / "static"
+log = logging.getLogger("nanotron_dashboard")
 
 
 def _conn(request: Request) -> Any:
     return request.app.state.engine.connect()
+
+
+def _write(request: Request, job: Any) -> Any:
+    """Run a write on the single writer; its refusal (a full disk: 507) becomes the answer."""
+    res = request.app.state.writer.submit(job, want_result=True).result(timeout=60)
+    if isinstance(res, dict) and res.get("ok") is False:
+        raise HTTPException(res["status"], res["error"])
+    return res
 
 
 def _stall(request: Request) -> float:
@@ -42,11 +53,16 @@ def page_run(run_id: str) -> FileResponse:
 
 @router.get("/api/session", tags=["runs"])
 def session(request: Request) -> dict[str, Any]:
-    """What the pages need: whether launching is allowed, and the CSRF token for it."""
+    """What the pages need: whether launching is allowed, the CSRF token for state-changing
+    requests, the stall threshold. Served only to the dashboard's own pages (and non-browser
+    clients): a browser marks a request from another site's page with Sec-Fetch-Site."""
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        raise HTTPException(403, "the session is served to the dashboard's own pages only")
     s = request.app.state.settings
     return {
         "allow_launch": s.allow_launch,
-        "csrf": request.app.state.csrf if s.allow_launch else None,
+        "csrf": request.app.state.csrf,
+        "stall_seconds": s.stall_seconds,
     }
 
 
@@ -56,17 +72,43 @@ def runs(
     project: str | None = None,
     status: Literal["running", "finished", "failed", "stalled"] | None = None,
     name: str | None = None,
-    ids: str | None = Query(None, description="comma-separated run ids"),
-) -> list[dict[str, Any]]:
+    ids: str | None = Query(None, description="comma-separated run ids (at most 1000)"),
+    limit: int = Query(100, ge=1, le=1000),
+    cursor: str | None = Query(None, description="X-Next-Cursor of the previous page"),
+) -> JSONResponse:
+    """Newest first, one page of `limit` runs; the header X-Next-Cursor (and a Link rel=next)
+    names the next page, absent on the last one."""
+    id_list = [i for i in ids.split(",") if i][:1000] if ids else None
     with _conn(request) as c:
-        id_list = [i for i in ids.split(",") if i] if ids else None
-        return queries.list_runs(c, _stall(request), project, status, name, id_list)
+        page, nxt = queries.list_runs(
+            c, _stall(request), project, status, name, id_list, limit, cursor
+        )
+    headers = {}
+    if nxt:
+        params = dict(request.query_params) | {"cursor": nxt}
+        query = "&".join(f"{quote(k)}={quote(v)}" for k, v in params.items())
+        headers = {"X-Next-Cursor": nxt, "Link": f'</api/runs?{query}>; rel="next"'}
+    return JSONResponse(page, headers=headers)
 
 
 @router.get("/api/runs/{run_id}", tags=["runs"])
 def run(request: Request, run_id: str) -> dict[str, Any]:
     with _conn(request) as c:
         return queries.get_run(c, run_id, _stall(request))
+
+
+@router.delete("/api/runs/{run_id}", tags=["runs"], dependencies=[Depends(require_csrf)])
+def remove_run(request: Request, run_id: str) -> dict[str, Any]:
+    """Delete a run and its series (not its checkpoint files). Needs the X-CSRF-Token."""
+    state = request.app.state
+    with _conn(request) as c:
+        queries.run_row(c, run_id)  # 404 first
+    pk = _write(request, lambda conn: delete_run(conn, run_id))
+    if pk is None:
+        raise queries.NotFound(f"run {run_id!r} not found")
+    state.cache.drop_run(pk)
+    state.hub.notify({}, {run_id})
+    return {"deleted": run_id}
 
 
 @router.get("/api/runs/{run_id}/metrics", tags=["metrics"])
@@ -81,13 +123,29 @@ def metrics(
     with _conn(request) as c:
         row = queries.run_row(c, run_id)
         info = queries.get_run(c, run_id, _stall(request))
-    wanted = [n for n in names.split(",") if n] if names else info["metric_names"]
+    known = info["metric_names"]
+    if names:
+        asked = list(dict.fromkeys(n for n in names.split(",") if n))
+        have = set(known)
+        # unknown names are reported, never looked up (nor cached as empty series)
+        wanted = [n for n in asked if n in have]
+        unknown = [n for n in asked if n not in have][:100]
+    else:
+        wanted, unknown = known, []
     series = queries.metric_series(
         request.app.state.cache, row.pk, wanted, x, max_points, smoothing, row.started
     )
     # json.dumps directly: FastAPI's generic encoder walks every float (slow at 4 x 2000 points)
-    body = {"run_id": run_id, "x": x, "smoothing": smoothing, "series": series}
+    body = {"run_id": run_id, "x": x, "smoothing": smoothing, "series": series, "unknown": unknown}
     return Response(json.dumps(body, allow_nan=False), media_type="application/json")
+
+
+def attachment(filename: str) -> str:
+    """Content-Disposition with an ASCII fallback and the exact name as RFC 5987 `filename*`."""
+    ascii_name = "".join(
+        ch if ch.isascii() and (ch.isalnum() or ch in "-_.") else "_" for ch in filename
+    )
+    return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
 @router.get("/api/runs/{run_id}/metrics.csv", tags=["metrics"])
@@ -106,27 +164,43 @@ def metrics_csv(request: Request, run_id: str, names: str | None = None) -> Stre
         finally:
             conn.close()
 
-    filename = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run_id)
     return StreamingResponse(
         body(),
-        media_type="text/csv",
-        headers={"content-disposition": f'attachment; filename="{filename}.csv"'},
+        media_type="text/csv; charset=utf-8",
+        headers={"content-disposition": attachment(f"{run_id}.csv")},
     )
+
+
+def _on_disk(request: Request, row: Any) -> list[Any]:
+    return scan_checkpoints(row.checkpoints_path, row.cwd) if row.checkpoints_path else []
 
 
 @router.get("/api/runs/{run_id}/checkpoints", tags=["checkpoints"])
 def checkpoints(request: Request, run_id: str) -> list[dict[str, Any]]:
+    """Stored checkpoints and those found under the run's checkpoints path; read-only."""
     with _conn(request) as c:
         row = queries.run_row(c, run_id)
-    if row.checkpoints_path:  # checkpoints written while the dashboard was down
-        found = scan_checkpoints(row.checkpoints_path, row.cwd)
-        if found:
+        return queries.list_checkpoints(c, run_id, _on_disk(request, row))
 
-            def job(conn: Any) -> None:
-                for ck in found:
-                    upsert_checkpoint(conn, row.pk, **ck.__dict__, source="disk")
 
-            request.app.state.writer.submit(job, want_result=True).result(timeout=30)
+@router.post(
+    "/api/runs/{run_id}/checkpoints/scan",
+    tags=["checkpoints"],
+    dependencies=[Depends(require_csrf)],
+)
+def scan(request: Request, run_id: str) -> list[dict[str, Any]]:
+    """Store the checkpoints found on disk (written while the dashboard was down), so that
+    they get ids to resume from. The run page calls it; needs the X-CSRF-Token."""
+    with _conn(request) as c:
+        row = queries.run_row(c, run_id)
+    found = _on_disk(request, row)
+    if found:
+
+        def job(conn: Any) -> None:
+            for ck in found:
+                upsert_checkpoint(conn, row.pk, **ck.__dict__, source="disk")
+
+        _write(request, job)
     with _conn(request) as c:
         return queries.list_checkpoints(c, run_id)
 
@@ -138,17 +212,21 @@ def diff(request: Request, a: str, b: str) -> dict[str, Any]:
         return queries.config_diff(c, a, b)
 
 
-@router.post("/api/checkpoints/{checkpoint_id}/resume", tags=["checkpoints"])
+@router.post(
+    "/api/checkpoints/{checkpoint_id}/resume",
+    tags=["checkpoints"],
+    dependencies=[Depends(require_csrf)],
+)
 def resume(request: Request, checkpoint_id: int) -> JSONResponse:
-    """Start the stored resume command of a listed checkpoint (only with --allow-launch)."""
+    """Start the stored resume command of a listed checkpoint (only with --allow-launch).
+
+    The request names a checkpoint id only; the command and cwd are the run's, fixed by its
+    first run_start. 409 while a previous launch of the same checkpoint still runs."""
     state = request.app.state
     if not state.settings.allow_launch:
         raise HTTPException(403, "launching is disabled: start the dashboard with --allow-launch")
-    headers = {k.lower(): v for k, v in request.headers.items()}
-    if not same_origin(headers) or not secrets.compare_digest(
-        headers.get("x-csrf-token", ""), state.csrf
-    ):
-        raise HTTPException(403, "cross-site request refused (missing or wrong X-CSRF-Token)")
+    if not 0 <= checkpoint_id < 2**63:
+        raise HTTPException(404, f"checkpoint {checkpoint_id} not found")
     with _conn(request) as c:
         ck = c.exec_driver_sql(
             "SELECT c.path, r.id FROM checkpoints c JOIN runs r ON r.pk=c.run_pk WHERE c.id=?",
@@ -160,7 +238,7 @@ def resume(request: Request, checkpoint_id: int) -> JSONResponse:
     env = {"NANOTRON_DASHBOARD_URL": state.settings.public_url}
     if state.settings.token:
         env["NANOTRON_DASHBOARD_TOKEN"] = state.settings.token
-    launched = launch_resume(json.loads(row.command), row.cwd, ck[0], state.launch_dir, env)
+    launched = state.launcher.launch(checkpoint_id, json.loads(row.command), row.cwd, ck[0], env)
     return JSONResponse(
         {
             "pid": launched.pid,
@@ -178,6 +256,17 @@ def error_handlers(app: Any) -> None:
     async def _nf(_r: Request, e: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(e)}, 404)
 
+    @app.exception_handler(AlreadyRunning)
+    async def _busy(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, 409)
+
     @app.exception_handler(DashboardError)
     async def _bad(_r: Request, e: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(e)}, 400)
+
+    @app.exception_handler(Exception)
+    async def _other(r: Request, e: Exception) -> JSONResponse:
+        if is_disk_full(e):
+            return JSONResponse({"detail": "the dashboard's disk is full; retry later"}, 507)
+        log.error("dashboard: %s %s failed: %s: %s", r.method, r.url.path, type(e).__name__, e)
+        return JSONResponse({"detail": f"internal error: {type(e).__name__}"}, 500)

@@ -12,9 +12,11 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from . import api, ingest
-from .db import open_database
+from .db import lock_database, open_database
 from .errors import MissingAssetError
+from .guard import BrowserGuard, HostPolicy
 from .hub import Hub
+from .launch import Launcher
 from .queries import load_series
 from .security import TokenMiddleware
 from .series import SeriesCache
@@ -32,7 +34,9 @@ class Settings:
     token: str | None = None
     allow_launch: bool = False
     stall_seconds: float = 120.0
-    cache_points: int = 20_000_000
+    allowed_hosts: tuple[str, ...] = ()  # served besides the bound host and loopback names
+    cache_bytes: int = 256 << 20  # series cache budget
+    queue_bytes: int = 16 << 20  # writer queue budget (message bytes); then 503 / slower acks
 
     @property
     def public_url(self) -> str:
@@ -52,15 +56,22 @@ def check_assets() -> None:
 
 def create_app(settings: Settings) -> FastAPI:
     check_assets()
-    engine = open_database(settings.db)
+    lock = lock_database(settings.db)  # one server per database file
+    try:
+        engine = open_database(settings.db)
+    except Exception:
+        lock.close()
+        raise
     hub = Hub()
 
     def loader(run_pk: int, name: str):  # noqa: ANN202
         with engine.connect() as c:
             return load_series(c, run_pk, name)
 
-    cache = SeriesCache(loader, settings.cache_points)
-    writer = Writer(engine, cache, hub.notify, watching=hub.watching)
+    cache = SeriesCache(loader, settings.cache_bytes)
+    writer = Writer(
+        engine, cache, hub.notify, watching=hub.watching, max_bytes=settings.queue_bytes
+    )
     writer.start()
 
     @asynccontextmanager
@@ -71,6 +82,7 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         writer.stop()
         engine.dispose()
+        lock.close()
 
     app = FastAPI(title="nanotron dashboard", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -79,11 +91,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.writer = writer
     app.state.hub = hub
     app.state.csrf = secrets.token_urlsafe(32)
-    app.state.launch_dir = Path(str(settings.db) + ".launches")
+    app.state.launcher = Launcher(Path(str(settings.db) + ".launches"))
+    app.state.lock = lock
     app.include_router(ingest.router)
     app.include_router(api.router)
     api.error_handlers(app)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     if settings.token:
         app.add_middleware(TokenMiddleware, token=settings.token)
+    # outermost (added last): the Host and Origin checks run before anything else
+    app.add_middleware(BrowserGuard, hosts=HostPolicy(settings.host, settings.allowed_hosts))
     return app

@@ -36,8 +36,9 @@ def rows_to_arrays(rows: list[tuple]) -> Arrays:
     """(step, value, time) rows to arrays; a NULL value (stored NaN) becomes NaN."""
     if not rows:
         return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
-    a = np.array(rows, dtype=np.float64)
-    return a[:, 0].astype(np.int64), a[:, 1].copy(), a[:, 2].copy()
+    steps = np.fromiter((r[0] for r in rows), np.int64, len(rows))  # exact up to 2**63-1
+    a = np.array([r[1:] for r in rows], dtype=np.float64)
+    return steps, a[:, 0].copy(), a[:, 1].copy()
 
 
 def load(raw: sqlite3.Connection, run_pk: int, name: str) -> Arrays:

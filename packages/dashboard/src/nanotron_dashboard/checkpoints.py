@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 METADATA_FILE = "checkpoint_metadata.json"
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -39,43 +41,70 @@ def scan_checkpoints(checkpoints_path: str, cwd: str | None) -> list[DiskCheckpo
     A checkpoint is complete when its metadata (written last) lists files that all exist with
     the recorded sizes. Hashes are not checked here: that would read gigabytes per page view.
     """
-    root = resolve_dir(checkpoints_path, cwd)
     found: list[DiskCheckpoint] = []
-    if not root.is_dir():
+    try:
+        root = resolve_dir(checkpoints_path, cwd)
+        subs = list(root.iterdir()) if root.is_dir() else []
+    except (OSError, ValueError, RuntimeError):
         return found
-    for sub in root.iterdir():
+    for sub in subs:
         meta_file = sub / METADATA_FILE
         if not sub.name.isdigit() or not meta_file.is_file():
             continue
         try:
             meta = json.loads(meta_file.read_text())
             step = int(meta.get("step", sub.name))
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
             continue
-        files = meta.get("files") or []
-        size, complete = 0, True
-        for f in files if isinstance(files, list) else []:
-            try:
-                fp = sub / f["path"]
-                actual = fp.stat().st_size
-                size += actual
-                if f.get("size") is not None and int(f["size"]) != actual:
-                    complete = False
-            except (OSError, KeyError, TypeError, ValueError):
-                complete = False
+        if not 0 <= step <= INT64_MAX:
+            continue
+        size, complete = _files_size(sub, meta.get("files"))
         created = meta.get("created")
+        topology = meta.get("topology")
         found.append(
             DiskCheckpoint(
                 step=step,
                 path=str(sub),
-                consumed_tokens=meta.get("consumed_tokens"),
-                topology=meta.get("topology") or {},
+                consumed_tokens=_int64(meta.get("consumed_tokens")),
+                topology=topology if isinstance(topology, dict) else {},
                 size=size,
                 complete=complete,
-                created=created if isinstance(created, (int, float)) else None,
+                created=created
+                if isinstance(created, (int, float)) and math.isfinite(created)
+                else None,
             )
         )
     return sorted(found, key=lambda c: c.step)
+
+
+def _int64(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX else None
+
+
+def _files_size(folder: Path, files: Any) -> tuple[int, bool]:
+    """Total size of the files the metadata lists, and whether all exist with their sizes.
+
+    A listed path must resolve inside the checkpoint's folder: metadata naming `/etc/shadow`
+    or `../../x` makes the checkpoint incomplete, and that file is not even looked at.
+    """
+    size, complete = 0, True
+    try:
+        base = folder.resolve()
+    except OSError:
+        return 0, False
+    for f in files if isinstance(files, list) else []:
+        try:
+            fp = (folder / f["path"]).resolve()
+            if not fp.is_relative_to(base) or fp == base:
+                complete = False
+                continue
+            actual = fp.stat().st_size
+            size += actual
+            if f.get("size") is not None and int(f["size"]) != actual:
+                complete = False
+        except (OSError, KeyError, TypeError, ValueError, AttributeError):
+            complete = False
+    return size, complete
 
 
 def resume_argv(command: list[str], checkpoint_path: str) -> list[str]:
@@ -126,4 +155,16 @@ def infer_resumed_from(
     for rid, rcwd, path, step in rows:
         if str(resolve_dir(path, rcwd).resolve()) == want:
             return rid, step
+    # a checkpoint found on disk but not stored yet: `<checkpoints_path>/<step>` of a run
+    folder = Path(want)
+    if folder.name.isdigit():
+        for rid, rcwd, cpath in conn.execute(
+            text(
+                "SELECT id, cwd, checkpoints_path FROM runs "
+                "WHERE checkpoints_path IS NOT NULL AND id != :id"
+            ),
+            {"id": run_id},
+        ):
+            if str(resolve_dir(cpath, rcwd).resolve()) == str(folder.parent):
+                return rid, int(folder.name)
     return None, None

@@ -1,13 +1,19 @@
-"""`nanotron-dashboard --db runs.db --host 127.0.0.1 --port 8008 [--token T] [--allow-launch]`."""
+"""`nanotron-dashboard --db runs.db [--host 127.0.0.1] [--port 8008] [--token-file F] [--allow-launch]`
+and `nanotron-dashboard delete-run --db runs.db RUN_ID`."""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
+import os
 import sys
+from pathlib import Path
 
 from .errors import DashboardError, StartupConfigError
 from .messages import MAX_MESSAGE_BYTES
+
+TOKEN_ENV = "NANOTRON_DASHBOARD_TOKEN"
 
 
 def is_loopback(host: str) -> bool:
@@ -24,20 +30,85 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--db", default="runs.db", help="SQLite file (created if missing)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8008)
-    p.add_argument("--token", default=None, help="required for a non-loopback --host")
+    p.add_argument(
+        "--token",
+        default=None,
+        help=f"required for a non-loopback --host; visible in the process list, so prefer "
+        f"--token-file or the {TOKEN_ENV} environment variable",
+    )
+    p.add_argument("--token-file", default=None, help="read the token from this file")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also serve requests for this host name (a reverse proxy's or the machine's DNS "
+        "name); the bound host and loopback names always are (repeatable)",
+    )
     p.add_argument("--allow-launch", action="store_true", help="enable the Resume button")
     p.add_argument("--stall-seconds", type=float, default=120.0, help="heartbeat age => stalled")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
 
+def resolve_token(args: argparse.Namespace) -> str | None:
+    """--token, else --token-file, else $NANOTRON_DASHBOARD_TOKEN, else none."""
+    from .security import check_token
+
+    if args.token is not None:
+        return check_token(args.token, "--token")
+    if args.token_file is not None:
+        try:
+            text = Path(args.token_file).read_text().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise StartupConfigError(f"--token-file {args.token_file}: {e}") from None
+        return check_token(text, f"--token-file {args.token_file}")
+    env = os.environ.get(TOKEN_ENV)
+    return check_token(env, TOKEN_ENV) if env is not None else None
+
+
+def delete_run_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="nanotron-dashboard delete-run",
+        description="Delete a run and its series from the database (checkpoint files stay).",
+    )
+    p.add_argument("--db", required=True)
+    p.add_argument("run_id")
+    args = p.parse_args(argv)
+    from .db import delete_run, lock_database, open_database
+
+    try:
+        if not Path(args.db).is_file():
+            raise DashboardError(f"--db {args.db}: no such file")
+        lock = lock_database(args.db)  # a running server would keep serving the deleted run
+        try:
+            engine = open_database(args.db)
+            with engine.begin() as conn:
+                pk = delete_run(conn, args.run_id)
+            engine.dispose()
+        finally:
+            lock.close()
+        if pk is None:
+            raise DashboardError(f"run {args.run_id!r} not found in {args.db}")
+    except DashboardError as e:
+        hint = " (or delete it from the running server's page)" if "serving" in str(e) else ""
+        print(f"nanotron-dashboard delete-run: error: {e}{hint}", file=sys.stderr)
+        return 2
+    print(f"deleted run {args.run_id} from {args.db}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["delete-run"]:
+        return delete_run_main(argv[1:])
     args = parse_args(argv)
     try:
-        if not is_loopback(args.host) and not args.token:
+        token = resolve_token(args)
+        if not is_loopback(args.host) and not token:
             raise StartupConfigError(
-                f"--host {args.host} is reachable from other machines: add --token SECRET "
-                "(or bind 127.0.0.1)"
+                f"--host {args.host} is reachable from other machines: add --token-file FILE "
+                f"(or {TOKEN_ENV}, or --token), or bind 127.0.0.1"
             )
         from .app import Settings, create_app
 
@@ -45,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             db=args.db,
             host=args.host,
             port=args.port,
-            token=args.token,
+            token=token,
             allow_launch=args.allow_launch,
             stall_seconds=args.stall_seconds,
+            allowed_hosts=tuple(args.allowed_host),
         )
         app = create_app(settings)
     except DashboardError as e:
@@ -55,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    url = settings.public_url + (f"/?token={args.token}" if args.token else "/")
-    print(f"nanotron-dashboard: serving {args.db} at {url}", flush=True)
-    uvicorn.run(
+    from .security import RedactTokens
+
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -65,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         ws_max_size=4 * MAX_MESSAGE_BYTES,
         ws_ping_interval=20,
     )
+    for name in ("uvicorn.access", "uvicorn.error"):  # after Config has set logging up
+        logging.getLogger(name).addFilter(RedactTokens())
+    login = " (token required: open it once as /?token=<your token>)" if token else ""
+    print(f"nanotron-dashboard: serving {args.db} at {settings.public_url}/{login}", flush=True)
+    uvicorn.Server(config).run()
     return 0
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
 from pathlib import Path
+from typing import IO
 
 from sqlalchemy import (
     Column,
@@ -28,6 +31,11 @@ from .errors import DatabaseFileError
 
 # 1: first release. 2: adds series_blocks (filled from metrics when a version-1 file opens).
 SCHEMA_VERSION = 2
+
+RECOVER_HINT = (
+    "recover what is left with `sqlite3 {path} .recover | sqlite3 recovered.db` and start "
+    "with --db recovered.db"
+)
 
 metadata = MetaData()
 
@@ -96,6 +104,16 @@ series_blocks = Table(
     Column("times", LargeBinary, nullable=False),  # float64
 )
 
+# The first step at which a run logged a NaN or infinite value (the run list's NaN badge).
+# A new table, so create_all adds it to older files without a migration.
+run_nonfinite = Table(
+    "run_nonfinite",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("step", Integer, nullable=False),
+    Column("name", String, nullable=False),
+)
+
 checkpoints = Table(
     "checkpoints",
     metadata,
@@ -121,6 +139,36 @@ def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
     cur.close()
 
 
+def lock_database(path: str | Path) -> IO[str]:
+    """Hold `<db>.lock` (flock) while serving: a second server on the same file refuses to
+    start instead of serving series that the first one's writer changes under it.
+
+    A separate file, because closing any descriptor of the database itself would drop
+    SQLite's own POSIX locks. The lock goes with the process, even on SIGKILL.
+    """
+    lock_path = Path(str(path) + ".lock")
+    try:
+        f = open(lock_path, "a+")  # noqa: SIM115 - held for the server's lifetime
+    except OSError as e:
+        raise DatabaseFileError(
+            f"--db {path}: cannot create its lock file {lock_path}: {e}"
+        ) from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise DatabaseFileError(
+            f"--db {path}: another nanotron-dashboard{f' (pid {holder})' if holder else ''} "
+            "is serving this file; stop it first or use another --db"
+        ) from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 def open_database(path: str | Path) -> Engine:
     """Open (creating if new) the dashboard database; a foreign or corrupt file is an error."""
     path = Path(path)
@@ -136,13 +184,23 @@ def open_database(path: str | Path) -> Engine:
         _check_and_create(engine, path)
     except SADatabaseError as e:
         engine.dispose()
-        raise DatabaseFileError(f"--db {path}: unreadable database ({e.orig})") from None
+        raise DatabaseFileError(
+            f"--db {path}: unreadable database ({e.orig}); {RECOVER_HINT.format(path=path)}"
+        ) from None
+    except DatabaseFileError:
+        engine.dispose()
+        raise
     return engine
 
 
 def _check_and_create(engine: Engine, path: Path) -> None:
     with engine.begin() as conn:
-        conn.execute(text("PRAGMA quick_check")).fetchall()
+        problems = [r[0] for r in conn.execute(text("PRAGMA quick_check(5)")).fetchall()]
+        if problems != ["ok"]:
+            raise DatabaseFileError(
+                f"--db {path} is corrupt ({'; '.join(problems)[:300]}); "
+                + RECOVER_HINT.format(path=path)
+            )
         names = set(inspect(conn).get_table_names())
         if names and "meta" not in names:
             raise DatabaseFileError(
@@ -175,3 +233,18 @@ def migrate(conn: object, from_version: int) -> None:
     the metrics already stored (about 2 s per million points, once).
     """
     del conn, from_version
+
+
+def delete_run(conn: object, run_id: str) -> int | None:
+    """Delete a run with its series, checkpoints list and flags; its pk, or None if absent.
+
+    Checkpoint folders on disk are left alone: they are the user's files.
+    """
+    row = conn.exec_driver_sql("SELECT pk FROM runs WHERE id=?", (run_id,)).first()  # type: ignore[attr-defined]
+    if row is None:
+        return None
+    pk = int(row[0])
+    for table in ("metrics", "latest", "series_blocks", "run_nonfinite", "checkpoints"):
+        conn.exec_driver_sql(f"DELETE FROM {table} WHERE run_pk=?", (pk,))  # type: ignore[attr-defined]
+    conn.exec_driver_sql("DELETE FROM runs WHERE pk=?", (pk,))  # type: ignore[attr-defined]
+    return pk

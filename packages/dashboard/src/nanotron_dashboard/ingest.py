@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import queue
+from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
@@ -13,49 +13,95 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from .messages import MAX_MESSAGE_BYTES, MessageError, RunStart, parse_messages
+from .writer import refusal
 
 router = APIRouter()
+RETRY_AFTER_S = 1
 
 
-async def _enqueue(app: Any, msg: Any, want: bool) -> Future | None:
-    """Queue for the writer in arrival order; waits (without blocking the loop) when full."""
-    fut: Future | None = Future() if want else None
-    while True:
-        try:
-            app.state.writer.queue.put_nowait((msg, fut))
-            return fut
-        except queue.Full:
-            await asyncio.sleep(0.005)
+def _result(fut: Future) -> dict[str, Any]:
+    try:
+        return fut.result()
+    except Exception as e:  # a bug in the writer: reported, never a dropped connection
+        return refusal(500, f"the dashboard could not store this message: {e}")
+
+
+async def _put_waiting(writer: Any, items: list[Any]) -> None:
+    """Websocket back-pressure: wait (without blocking the loop) until the queue has room;
+    meanwhile this connection is not read, so TCP slows the trainer's sender thread."""
+    while not writer.try_put(items):
+        await asyncio.sleep(0.01)
 
 
 @router.websocket("/ws/ingest")
 async def ws_ingest(ws: WebSocket) -> None:
+    """Each message gets its reply only when it asks (`ack`, run_start) or is refused: an
+    error frame `{"ok": false, "status": 4xx, "error": ...}`, and the connection stays open.
+    On a full disk the server closes with 1013 after the error: the trainer reconnects later
+    and replays from the last stored step."""
     await ws.accept()
-    app = ws.app
+    writer = ws.app.state.writer
+    late: deque[dict[str, Any]] = deque()  # refusals of un-acked messages (writer thread)
+
+    def on_done(fut: Future) -> None:
+        res = _result(fut)
+        if not res.get("ok", True):
+            late.append(res)
+
+    async def handle(msg: Any, size: int) -> None:
+        if isinstance(msg, MessageError):
+            await ws.send_text(json.dumps(refusal(422, str(msg), type="error")))
+            return
+        fut: Future = Future()
+        await _put_waiting(writer, [(msg, fut, size)])
+        if isinstance(msg, RunStart):  # the reply tells the trainer what to replay
+            await asyncio.wrap_future(fut)
+            await ws.send_text(json.dumps(_result(fut)))
+        elif msg.ack is not None:
+            await asyncio.wrap_future(fut)
+            res = _result(fut)
+            await ws.send_text(json.dumps({**res, "type": "ack", "ack": msg.ack}))
+        else:
+            fut.add_done_callback(on_done)
+
     try:
         while True:
             data = await ws.receive()
             if data["type"] == "websocket.disconnect":
                 return
             raw = data.get("text") if data.get("text") is not None else data.get("bytes") or b""
-            for msg in parse_messages(raw):
-                if isinstance(msg, MessageError):  # reply and drop it; the connection lives on
-                    await ws.send_text(json.dumps({"ok": False, "error": str(msg)}))
-                elif isinstance(msg, RunStart):  # the reply tells the trainer what to replay
-                    fut = await _enqueue(app, msg, True)
-                    await ws.send_text(json.dumps(await asyncio.wrap_future(fut)))
-                elif msg.ack is not None:
-                    await asyncio.wrap_future(await _enqueue(app, msg, True))
-                    await ws.send_text(json.dumps({"ok": True, "type": "ack", "ack": msg.ack}))
-                else:
-                    await _enqueue(app, msg, False)
-    except WebSocketDisconnect:
+            msgs = parse_messages(raw)
+            for msg in msgs:
+                try:
+                    await handle(msg, len(raw) // max(len(msgs), 1))
+                except (WebSocketDisconnect, RuntimeError):
+                    raise
+                except Exception as e:
+                    await ws.send_text(json.dumps(refusal(500, f"internal error: {e}")))
+            while late:
+                await ws.send_text(json.dumps(late.popleft()))
+            if writer.disk_full:
+                await ws.send_text(json.dumps(refusal(507, "the dashboard's disk is full")))
+                await ws.close(1013, "disk full; reconnect later")
+                return
+    except (WebSocketDisconnect, RuntimeError):
         return
+
+
+def _is_json(request: Request) -> bool:
+    ctype = request.headers.get("content-type", "")
+    return ctype.split(";")[0].strip().lower() == "application/json"
 
 
 @router.post("/api/ingest", tags=["ingest"])
 async def http_ingest(request: Request) -> JSONResponse:
-    """The same messages as /ws/ingest, one or a JSON list, for networks that block websockets."""
+    """The same messages as /ws/ingest, one or a JSON list, for networks that block websockets.
+
+    Only `Content-Type: application/json`: a browser cannot send that cross-site without a
+    CORS preflight, which this server never grants.
+    """
+    if not _is_json(request):
+        return JSONResponse({"detail": "ingest takes Content-Type: application/json only"}, 415)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_MESSAGE_BYTES:
         return JSONResponse({"detail": f"body over the {MAX_MESSAGE_BYTES}-byte limit"}, 413)
@@ -68,28 +114,38 @@ async def http_ingest(request: Request) -> JSONResponse:
         return JSONResponse(
             {"detail": "empty body: send a message or a JSON list of messages"}, 400
         )
-    msgs, errors = [], []
-    for i, m in enumerate(parse_messages(body)):
+    parsed = parse_messages(body)
+    errors: list[dict[str, Any]] = []
+    items: list[tuple[int, Any, Future]] = []
+    for i, m in enumerate(parsed):
         if isinstance(m, MessageError):
-            errors.append({"index": i, "error": str(m)})
+            errors.append({"index": i, "status": 422, "error": str(m)})
         else:
-            msgs.append(m)
-    if len(errors) == 1 and not msgs and "JSON" in errors[0]["error"]:  # not JSON at all
+            items.append((i, m, Future()))
+    if len(errors) == 1 and not items and "JSON" in errors[0]["error"]:  # not JSON at all
         return JSONResponse({"detail": errors[0]["error"]}, 400)
+    size = len(body) // max(len(parsed), 1)
+    writer = request.app.state.writer
+    if items and not writer.try_put([(m, fut, size) for _, m, fut in items]):
+        return JSONResponse(
+            {"detail": "the dashboard is busy writing; retry after the Retry-After seconds"},
+            503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     results: list[Any] = []
-    pending: list[Any] = []
-    for j, msg in enumerate(msgs):
-        # the writer keeps order: waiting for run_starts and the last message is enough
-        want = isinstance(msg, RunStart) or j == len(msgs) - 1
-        fut = await _enqueue(request.app, msg, want)
-        if fut is not None:
-            pending.append(asyncio.wrap_future(fut))
-    for fut in pending:
-        res = await fut
-        if res.get("type") == "run_start":
-            results.append(res)
-    status = 422 if errors else 200
-    return JSONResponse({"accepted": len(msgs), "results": results, "errors": errors}, status)
+    accepted = 0
+    for i, _, fut in items:
+        await asyncio.wrap_future(fut)
+        res = _result(fut)
+        if res.get("ok", True):
+            accepted += 1
+            if res.get("type") == "run_start":
+                results.append(res)
+        else:
+            errors.append({"index": i, "status": res["status"], "error": res["error"]})
+    status = max((e["status"] for e in errors), default=200)
+    errors.sort(key=lambda e: e["index"])
+    return JSONResponse({"accepted": accepted, "results": results, "errors": errors}, status)
 
 
 async def _feed(ws: WebSocket, run_id: str | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import shlex
 import time
@@ -38,7 +40,9 @@ _RUN_COLS = (
 )
 
 
-def _summary(row: Any, last: dict[str, Any], stall_s: float, now: float) -> dict[str, Any]:
+def _summary(
+    row: Any, last: dict[str, Any], nonfinite: Any, stall_s: float, now: float
+) -> dict[str, Any]:
     return {
         "id": row.id,
         "project": row.project,
@@ -58,7 +62,17 @@ def _summary(row: Any, last: dict[str, Any], stall_s: float, now: float) -> dict
             else None
         ),
         "error": row.error,
+        # the first NaN/inf value the run logged: the NaN badge
+        "nonfinite": None if nonfinite is None else {"step": nonfinite[0], "metric": nonfinite[1]},
     }
+
+
+def _cursor(value: str) -> tuple[float, int]:
+    try:
+        started, pk = value.split("_", 1)
+        return float(started), int(pk)
+    except ValueError:
+        raise DashboardError(f"cursor {value[:50]!r} is not one this server gave out") from None
 
 
 def list_runs(
@@ -68,7 +82,11 @@ def list_runs(
     status: str | None = None,
     name: str | None = None,
     ids: list[str] | None = None,
-) -> list[dict[str, Any]]:
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Newest first; with `limit`, one page and the cursor of the next one (None at the end)."""
+    now = time.time()
     where, params = [], {}
     if project:
         where.append("project = :project")
@@ -81,28 +99,60 @@ def list_runs(
     if ids is not None:
         where.append("id IN (SELECT value FROM json_each(:ids))")
         params["ids"] = json.dumps(ids)
+    if status:  # in SQL, so that pages are full pages: stalled is derived from the heartbeat
+        params["stale"] = now - stall_s
+        fresh = "(heartbeat IS NOT NULL AND heartbeat >= :stale)"
+        where.append(
+            {
+                "running": f"status = 'running' AND {fresh}",
+                "stalled": f"status = 'running' AND NOT {fresh}",
+            }.get(status, "status = :status")
+        )
+        params["status"] = status
+    order = "COALESCE(started, 0)"
+    if cursor:
+        params["c_started"], params["c_pk"] = _cursor(cursor)
+        where.append(f"({order} < :c_started OR ({order} = :c_started AND pk < :c_pk))")
     sql = f"SELECT {_RUN_COLS} FROM runs"
     if where:
         sql += " WHERE " + " AND ".join(where)
-    rows = conn.execute(text(sql + " ORDER BY started DESC, pk DESC"), params).fetchall()
+    sql += f" ORDER BY {order} DESC, pk DESC"
+    if limit is not None:
+        sql += " LIMIT :limit"
+        params["limit"] = limit + 1
+    rows = conn.execute(text(sql), params).fetchall()
+    next_cursor = None
+    if limit is not None and len(rows) > limit:
+        rows = rows[:limit]
+        last_row = rows[-1]
+        next_cursor = f"{last_row.started or 0.0!r}_{last_row.pk}"
     last: dict[int, dict[str, Any]] = {r.pk: {} for r in rows}
+    flags: dict[int, Any] = {}
     if rows:
+        pks = {"pks": json.dumps(list(last))}
         for pk, mname, value in conn.execute(
             text(
                 "SELECT run_pk, name, value FROM latest WHERE run_pk IN "
                 "(SELECT value FROM json_each(:pks))"
             ),
-            {"pks": json.dumps(list(last))},
+            pks,
         ):
             last[pk][mname] = json_float(value)
-    now = time.time()
-    out = [_summary(r, last[r.pk], stall_s, now) for r in rows]
-    if status:
-        out = [r for r in out if r["status"] == status]
-    return out
+        for pk, step, mname in conn.execute(
+            text(
+                "SELECT run_pk, step, name FROM run_nonfinite WHERE run_pk IN "
+                "(SELECT value FROM json_each(:pks))"
+            ),
+            pks,
+        ):
+            flags[pk] = (step, mname)
+    out = [_summary(r, last[r.pk], flags.get(r.pk), stall_s, now) for r in rows]
+    return out, next_cursor
 
 
 def run_row(conn: Connection, run_id: str) -> Any:
+    if "\x00" in run_id or len(run_id) > 1000:  # no stored id looks like that
+        raise NotFound(f"run {run_id[:200]!r} not found")
     row = conn.execute(text(f"SELECT {_RUN_COLS} FROM runs WHERE id = :id"), {"id": run_id}).first()
     if row is None:
         raise NotFound(f"run {run_id!r} not found")
@@ -111,7 +161,7 @@ def run_row(conn: Connection, run_id: str) -> Any:
 
 def get_run(conn: Connection, run_id: str, stall_s: float) -> dict[str, Any]:
     row = run_row(conn, run_id)
-    summary = list_runs(conn, stall_s, ids=[run_id])[0]
+    summary = list_runs(conn, stall_s, ids=[run_id])[0][0]
     names = [
         r[0]
         for r in conn.execute(
@@ -136,9 +186,31 @@ def get_run(conn: Connection, run_id: str, stall_s: float) -> dict[str, Any]:
     }
 
 
-def list_checkpoints(conn: Connection, run_id: str) -> list[dict[str, Any]]:
+def list_checkpoints(
+    conn: Connection, run_id: str, on_disk: list[Any] | None = None
+) -> list[dict[str, Any]]:
+    """The stored checkpoints, plus those found on disk (`on_disk`) that are not stored yet:
+    those have `id` None until a POST .../checkpoints/scan stores them (a GET never writes)."""
     row = run_row(conn, run_id)
     command = json.loads(row.command)
+    found = {c.step: c for c in on_disk or []}
+
+    def entry(cid: Any, step: int, path: str, **f: Any) -> dict[str, Any]:
+        return {
+            "id": cid,
+            "step": step,
+            "path": path,
+            **f,
+            "resume_command": resume_command(command, path) if command else None,
+            # what the copy button copies: runnable from any directory
+            "resume_shell": (
+                f"cd {shlex.quote(row.cwd)} && {resume_command(command, path)}"
+                if command and row.cwd
+                else None
+            ),
+            "cwd": row.cwd,
+        }
+
     out = []
     for c in conn.execute(
         text(
@@ -147,28 +219,35 @@ def list_checkpoints(conn: Connection, run_id: str) -> list[dict[str, Any]]:
         ),
         {"pk": row.pk},
     ):
+        disk = found.pop(c.step, None)
         out.append(
-            {
-                "id": c.id,
-                "step": c.step,
-                "path": c.path,
-                "consumed_tokens": c.consumed_tokens,
-                "topology": json.loads(c.topology),
-                "size": c.size,
-                "complete": bool(c.complete),
-                "created": c.created,
-                "source": c.source,
-                "resume_command": resume_command(command, c.path) if command else None,
-                # what the copy button copies: runnable from any directory
-                "resume_shell": (
-                    f"cd {shlex.quote(row.cwd)} && {resume_command(command, c.path)}"
-                    if command and row.cwd
-                    else None
-                ),
-                "cwd": row.cwd,
-            }
+            entry(
+                c.id,
+                c.step,
+                c.path,
+                consumed_tokens=c.consumed_tokens,
+                topology=json.loads(c.topology),
+                size=c.size if disk is None else disk.size,
+                complete=bool(c.complete) if disk is None else disk.complete,
+                created=c.created,
+                source=c.source,
+            )
         )
-    return out
+    for d in found.values():
+        out.append(
+            entry(
+                None,
+                d.step,
+                d.path,
+                consumed_tokens=d.consumed_tokens,
+                topology=d.topology,
+                size=d.size,
+                complete=d.complete,
+                created=d.created,
+                source="disk",
+            )
+        )
+    return sorted(out, key=lambda c: c["step"])
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -260,8 +339,17 @@ def metric_series(
     return out
 
 
+def csv_cell(value: str) -> str:
+    """A text cell a spreadsheet will not run: `=`, `+`, `-`, `@` (and tab/CR) get a `'`."""
+    return "'" + value if value[:1] in ("=", "+", "-", "@", "\t", "\r") else value
+
+
 def csv_rows(conn: Connection, run_id: str, names: list[str] | None) -> Iterator[str]:
-    """Full-fidelity wide CSV: one row per step, one column per metric; repr() of floats."""
+    """Full-fidelity wide CSV: one row per step, one column per metric; repr() of floats.
+
+    Written by the csv module (a name with a comma or a quote stays one column); metric
+    names are text from the trainer, so they are defused against formula injection.
+    """
     row = run_row(conn, run_id)
     all_names = [
         r[0]
@@ -270,7 +358,16 @@ def csv_rows(conn: Connection, run_id: str, names: list[str] | None) -> Iterator
         )
     ]
     cols = [n for n in all_names if not names or n in names]
-    yield ",".join(["step", *cols]) + "\n"
+    buf = io.StringIO()
+    out = csv.writer(buf, lineterminator="\n")
+
+    def line(cells: list[str]) -> str:
+        buf.seek(0)
+        buf.truncate()
+        out.writerow(cells)
+        return buf.getvalue()
+
+    yield line(["step", *(csv_cell(c) for c in cols)])
     col_of = {n: i for i, n in enumerate(cols)}
     cur_step, cur = None, [""] * len(cols)
     res = conn.exec_driver_sql(
@@ -281,8 +378,8 @@ def csv_rows(conn: Connection, run_id: str, names: list[str] | None) -> Iterator
             continue
         if step != cur_step:
             if cur_step is not None:
-                yield f"{cur_step}," + ",".join(cur) + "\n"
+                yield line([str(cur_step), *cur])
             cur_step, cur = step, [""] * len(cols)
         cur[col_of[name]] = "nan" if value is None else repr(float(value))
     if cur_step is not None:
-        yield f"{cur_step}," + ",".join(cur) + "\n"
+        yield line([str(cur_step), *cur])

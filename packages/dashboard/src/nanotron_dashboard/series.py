@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 Key = tuple[int, str]  # (run_pk, metric name)
+ENTRY_OVERHEAD = 512  # bytes an entry costs besides its arrays (key, objects, dict slot)
 
 
 @dataclass
@@ -23,6 +24,10 @@ class Series:
     values: np.ndarray  # float64, NaN where the value was NaN
     times: np.ndarray  # float64, unix seconds
     n: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.steps.nbytes + self.values.nbytes + self.times.nbytes + ENTRY_OVERHEAD
 
     def view(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.steps[: self.n], self.values[: self.n], self.times[: self.n]
@@ -46,11 +51,12 @@ Loader = Callable[[int, str], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 class SeriesCache:
-    """LRU cache of whole series, bounded by the total number of points held."""
+    """LRU cache of whole series, bounded by the bytes it holds (an empty series costs its
+    overhead too, so asking for many unknown names cannot grow it without bound)."""
 
-    def __init__(self, loader: Loader, max_points: int = 20_000_000) -> None:
+    def __init__(self, loader: Loader, max_bytes: int = 256 << 20) -> None:
         self._loader = loader
-        self._max_points = max_points
+        self.max_bytes = max_bytes
         self._items: OrderedDict[Key, Series] = OrderedDict()
         self._total = 0
         self._lock = threading.Lock()
@@ -63,7 +69,7 @@ class SeriesCache:
                 steps, values, times = self._loader(run_pk, name)
                 s = Series(steps, values, times, len(steps))
                 self._items[key] = s
-                self._total += len(s.steps)
+                self._total += s.nbytes
                 self._evict()
             self._items.move_to_end(key)
             return s.view()
@@ -76,12 +82,12 @@ class SeriesCache:
                 if s is None:
                     continue
                 if s.n and steps[0] <= s.steps[s.n - 1]:
-                    self._total -= len(s.steps)
+                    self._total -= s.nbytes
                     del self._items[key]  # overwrite of old steps: reload on demand
                     continue
-                before = len(s.steps)
+                before = s.nbytes
                 s.append(steps, values, times)
-                self._total += len(s.steps) - before
+                self._total += s.nbytes - before
             self._evict()
 
     def run_pks(self) -> set[int]:
@@ -91,12 +97,19 @@ class SeriesCache:
     def drop_run(self, run_pk: int) -> None:
         with self._lock:
             for key in [k for k in self._items if k[0] == run_pk]:
-                self._total -= len(self._items.pop(key).steps)
+                self._total -= self._items.pop(key).nbytes
 
     def _evict(self) -> None:
-        while self._total > self._max_points and len(self._items) > 1:
+        while self._total > self.max_bytes and len(self._items) > 1:
             _, s = self._items.popitem(last=False)
-            self._total -= len(s.steps)
+            self._total -= s.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._total
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def ema(values: np.ndarray, weight: float) -> np.ndarray:

@@ -2,15 +2,23 @@
 
 Many trainers then never contend for SQLite's lock, and a burst of small messages becomes one
 transaction. After each commit it tells the series cache and the live-update hub.
+
+The queue is bounded in bytes (of the messages as received), not in count: a producer that
+finds it full waits (websocket: its acks slow down) or is told to retry (HTTP 503).
+Each message's result is a dict; a refusal is `{"ok": False, "status": 4xx/5xx, "error": ...}`
+(a run_start that would change a run's command, a run's 1001st metric name, a full disk).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
+import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -20,13 +28,13 @@ from sqlalchemy.engine import Connection, Engine
 
 from .blocks import Sealer
 from .checkpoints import infer_resumed_from
-from .messages import Checkpoint, Heartbeat, Metrics, RunEnd, RunStart
+from .messages import MAX_METRIC_NAMES, Checkpoint, Heartbeat, Metrics, RunEnd, RunStart
 from .series import SeriesCache
 
 log = logging.getLogger("nanotron_dashboard")
 
 Job = Callable[[Connection], Any]  # an arbitrary write, run inside the writer's transaction
-Item = tuple[Any, Future | None]
+Item = tuple[Any, Future | None, int]  # (message or job, its result, its size in bytes)
 # (run_id, points [(name, step, value, time)], summary_changed)
 Notify = Callable[[dict[str, list[tuple[str, int, float, float]]], set[str]], None]
 
@@ -39,6 +47,23 @@ _UPSERT_LATEST = (
     "ON CONFLICT(run_pk, name) DO UPDATE SET step=excluded.step, value=excluded.value "
     "WHERE excluded.step >= latest.step"
 )
+_NONFINITE = (
+    "INSERT INTO run_nonfinite(run_pk, step, name) VALUES (?, ?, ?) "
+    "ON CONFLICT(run_pk) DO UPDATE SET step=excluded.step, name=excluded.name "
+    "WHERE excluded.step < run_nonfinite.step"
+)
+DISK_FULL_LOG_EVERY_S = 60.0
+
+
+def is_disk_full(e: BaseException) -> bool:
+    orig = getattr(e, "orig", e)
+    return isinstance(orig, sqlite3.OperationalError) and (
+        getattr(orig, "sqlite_errorcode", None) == 13 or "disk is full" in str(orig)
+    )
+
+
+def refusal(status: int, error: str, **extra: Any) -> dict[str, Any]:
+    return {"ok": False, "status": status, "error": error, **extra}
 
 
 class Writer:
@@ -49,15 +74,21 @@ class Writer:
         notify: Notify | None = None,
         watching: Callable[[str], bool] = lambda run_id: False,
         max_batch: int = 5000,
-        max_queue: int = 200_000,
+        max_bytes: int = 8 << 20,
     ) -> None:
         self._engine = engine
         self._cache = cache
         self._notify = notify
         self._watching = watching  # whether a browser follows this run (it wants its points)
         self._max_batch = max_batch
-        self.queue: queue.Queue[Item | None] = queue.Queue(maxsize=max_queue)
+        self.queue: queue.Queue[Item | None] = queue.Queue()
+        self.max_bytes = max_bytes
+        self._bytes = 0  # size of what is queued
+        self._bytes_lock = threading.Lock()
+        self.disk_full = False  # the last write failed for want of space
+        self._disk_full_logged = 0.0
         self._pks: dict[str, int] = {}
+        self._names: OrderedDict[int, set[str]] = OrderedDict()  # metric names of recent runs
         self._sealer = Sealer()  # keeps series_blocks in step with metrics
         self._thread = threading.Thread(target=self._run, name="dashboard-writer", daemon=True)
 
@@ -69,10 +100,28 @@ class Writer:
         self._thread.join(timeout)
 
     def submit(self, item: Any, want_result: bool = False) -> Future | None:
-        """Queue a message (or a Job); blocks only when the queue is full (back-pressure)."""
+        """Queue a Job (or a message), whatever the queue holds: for the API's own writes."""
         fut: Future | None = Future() if want_result else None
-        self.queue.put((item, fut))
+        self.queue.put((item, fut, 0))
         return fut
+
+    def try_put(self, items: list[tuple[Any, Future | None, int]]) -> bool:
+        """Queue all of `items` or none: False when their bytes do not fit (back-pressure).
+
+        An empty queue always takes one batch, so a message under the limit cannot starve.
+        """
+        size = sum(i[2] for i in items)
+        with self._bytes_lock:
+            if self._bytes and self._bytes + size > self.max_bytes:
+                return False
+            self._bytes += size
+        for item in items:
+            self.queue.put(item)
+        return True
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
 
     # --- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -92,33 +141,45 @@ class Writer:
                         stop = True
                         break
                     batch.append(nxt)
+                with self._bytes_lock:
+                    self._bytes -= sum(i[2] for i in batch)
                 self._write_batch(conn, batch)
                 if stop:
                     return
 
+    def _forget(self, conn: Connection) -> None:
+        """After a rollback the cached keys and bounds may be ahead of the database."""
+        conn.rollback()
+        self._pks.clear()
+        self._names.clear()
+        self._sealer.reset()
+
     def _write_batch(self, conn: Connection, batch: list[Item]) -> None:
         try:
-            results, rows, changed = self._apply(conn, [m for m, _ in batch])
-        except Exception:  # one bad item must not lose the batch: retry one by one
-            conn.rollback()
-            self._pks.clear()
-            self._sealer.reset()
+            results, rows, changed = self._apply(conn, [m for m, _, _ in batch])
+        except Exception as e:  # one bad item must not lose the batch: retry one by one
+            self._forget(conn)
+            if is_disk_full(e):
+                self._on_disk_full(batch)
+                return
             for item in batch:
                 self._write_one(conn, item)
             return
+        self.disk_full = False  # space came back: writes go on by themselves
         self._after_commit(rows, changed)
-        for (_, fut), res in zip(batch, results):
+        for (_, fut, _), res in zip(batch, results):
             if fut is not None:
                 fut.set_result(res)
 
     def _write_one(self, conn: Connection, item: Item) -> None:
-        msg, fut = item
+        msg, fut, _ = item
         try:
             results, rows, changed = self._apply(conn, [msg])
         except Exception as e:
-            conn.rollback()
-            self._pks.clear()
-            self._sealer.reset()
+            self._forget(conn)
+            if is_disk_full(e):
+                self._on_disk_full([item])
+                return
             log.exception("dashboard writer: dropped a message it could not store")
             if fut is not None:
                 fut.set_exception(e)
@@ -126,6 +187,21 @@ class Writer:
         self._after_commit(rows, changed)
         if fut is not None:
             fut.set_result(results[0])
+
+    def _on_disk_full(self, batch: list[Item]) -> None:
+        """Refuse the batch with 507; one log line a minute, not a traceback per message."""
+        self.disk_full = True
+        now = time.monotonic()
+        if now - self._disk_full_logged >= DISK_FULL_LOG_EVERY_S:
+            self._disk_full_logged = now
+            log.error(
+                "dashboard writer: the database's disk is full; refusing writes (507) until "
+                "there is space again (this line repeats at most once a minute)"
+            )
+        res = refusal(507, "the dashboard's disk is full; retry later")
+        for _, fut, _ in batch:
+            if fut is not None:
+                fut.set_result(res)
 
     def _after_commit(self, rows: list[tuple], changed: set[str]) -> None:
         """Hand the committed points to the cache and the hub, for the runs they watch."""
@@ -163,14 +239,20 @@ class Writer:
             for msg in msgs:
                 if isinstance(msg, Metrics):
                     pk = self._pk(conn, msg.run_id, now)
+                    refused = self._check_names(conn, pk, msg)
+                    if refused is not None:
+                        results.append(refused)
+                        continue
                     step, t = msg.step, msg.time
                     rows.extend([(pk, name, step, value, t) for name, value in msg.values.items()])
                     max_step[msg.run_id] = max(max_step.get(msg.run_id, -1), msg.step)
                     touched.add(msg.run_id)
                     results.append({"ok": True})
                 elif isinstance(msg, RunStart):
-                    results.append(self._run_start(conn, msg, now))
-                    changed.add(msg.run_id)
+                    res = self._run_start(conn, msg, now)
+                    results.append(res)
+                    if res["ok"]:
+                        changed.add(msg.run_id)
                 elif isinstance(msg, Checkpoint):
                     self._checkpoint(conn, msg, now)
                     changed.add(msg.run_id)
@@ -193,6 +275,7 @@ class Writer:
                 elif callable(msg):
                     results.append(msg(conn))
                     self._pks.clear()  # a job may have created or deleted runs
+                    self._names.clear()
                 else:
                     raise TypeError(f"unknown writer item {type(msg).__name__}")
             if rows:
@@ -204,6 +287,9 @@ class Writer:
                     if k not in newest or r[2] >= newest[k][2]:
                         newest[k] = r[:4]
                 conn.exec_driver_sql(_UPSERT_LATEST, list(newest.values()))
+                bad = [(r[0], r[2], r[1]) for r in rows if not math.isfinite(r[3])]
+                if bad:  # the run list's NaN badge: the first non-finite step of each run
+                    conn.exec_driver_sql(_NONFINITE, bad)
             for run_id in touched:
                 conn.execute(
                     text(
@@ -231,7 +317,49 @@ class Writer:
             pk = self._pks[run_id] = int(row[0])
         return pk
 
+    def _check_names(self, conn: Connection, pk: int, msg: Metrics) -> dict[str, Any] | None:
+        """At most MAX_METRIC_NAMES names per run: a message bringing more is refused whole."""
+        names = self._names.get(pk)
+        if names is None:
+            names = {
+                r[0] for r in conn.exec_driver_sql("SELECT name FROM latest WHERE run_pk=?", (pk,))
+            }
+            self._names[pk] = names
+            while len(self._names) > 256:  # the runs being written to now
+                self._names.popitem(last=False)
+        self._names.move_to_end(pk)
+        new = [n for n in msg.values if n not in names]
+        if len(names) + len(new) > MAX_METRIC_NAMES:
+            return refusal(
+                422,
+                f"run {msg.run_id!r} would have {len(names) + len(new)} metric names, over "
+                f"the limit of {MAX_METRIC_NAMES} (new here: {', '.join(new[:5])[:300]})",
+            )
+        names.update(new)
+        return None
+
     def _run_start(self, conn: Connection, m: RunStart, now: float) -> dict[str, Any]:
+        # The command, cwd and checkpoints path are what Resume runs: fixed by the first
+        # run_start. The same one again (a replay after a restart) is fine; another is refused.
+        prev = conn.execute(
+            text("SELECT command, cwd, checkpoints_path FROM runs WHERE id=:id"), {"id": m.run_id}
+        ).first()
+        new = (json.dumps(m.command), m.cwd, m.checkpoints_path)
+        if prev is not None and (prev[0] != "[]" or prev[1] or prev[2]) and tuple(prev) != new:
+            log.warning(
+                "dashboard: refused a run_start for run %r that would change its command, cwd "
+                "or checkpoints path (kept: %s in %r)",
+                m.run_id,
+                prev[0][:200],
+                prev[1],
+            )
+            return refusal(
+                409,
+                f"run {m.run_id!r} already exists with another command, cwd or checkpoints "
+                "path; they are fixed by its first run_start (start a new run id instead)",
+                type="run_start",
+                run_id=m.run_id,
+            )
         rf = m.resumed_from
         rf_run, rf_step = (rf.run_id, rf.step) if rf else (None, None)
         if rf_run is None:

@@ -260,6 +260,7 @@ class DashboardClient:
             if reply.get("type") == "run_start":
                 break
             self._log_reply(reply)
+        self._log_reply(reply)  # a refused run_start (409: the run id holds another command)
         last = reply.get("last_step")
         self._max_sent = -1 if last is None else int(last)
         with self._cv:  # a queued run_start was just sent

@@ -1,8 +1,19 @@
 // Shared helpers. User text only ever goes through textContent (never innerHTML).
 "use strict";
 const NT = {
+  csrf: null,
+  // The session (launch allowed?, CSRF token, stall threshold), fetched once.
+  async session() {
+    if (!NT._session) NT._session = NT.json("/api/session");
+    const s = await NT._session;
+    NT.csrf = s.csrf;
+    return s;
+  },
+  // State-changing requests carry the CSRF token (a header no other site's page can set).
   async json(url, opts) {
-    const r = await fetch(url, Object.assign({ credentials: "same-origin" }, opts || {}));
+    opts = Object.assign({ credentials: "same-origin" }, opts || {});
+    if (opts.method && opts.method !== "GET") opts.headers = Object.assign({ "X-CSRF-Token": NT.csrf || "" }, opts.headers || {});
+    const r = await fetch(url, opts);
     const body = await r.json().catch(() => ({}));
     if (!r.ok) throw new Error(body.detail ? JSON.stringify(body.detail) : r.statusText);
     return body;
@@ -29,6 +40,10 @@ const NT = {
     if (s < 3600) return Math.round(s / 60) + "m";
     if (s < 86400) return (s / 3600).toFixed(1) + "h";
     return (s / 86400).toFixed(1) + "d";
+  },
+  // A run that logged NaN/inf: a badge naming the first step and metric.
+  nanBadge(nf) {
+    return NT.el("span", { class: "badge nan", "data-nonfinite": nf.step, title: "first non-finite value: " + nf.metric + " at step " + nf.step }, "NaN @ " + nf.step);
   },
   badge(status) { return NT.el("span", { class: "badge " + status, "data-status": status }, status); },
   // A websocket that reconnects; onOpen lets the page refetch what it may have missed.

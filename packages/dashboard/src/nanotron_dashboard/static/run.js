@@ -5,8 +5,9 @@
   const DEFAULT_ORDER = ["lm_loss", "grad_norm", "tokens_per_sec", "lr"];
   const COLORS = ["#2b7de9", "#e9692b", "#2e9d4c", "#9b3fd1", "#d2333f", "#11949b"];
   const MAX_POINTS = 2000;
+  const DEFAULT_CHARTS = 12;  // a run may log up to 1000 metrics: more are picked by hand
   const $ = (id) => document.getElementById(id);
-  const state = { run: null, session: null, charts: {}, data: {}, compare: [], started: null };
+  const state = { run: null, session: null, charts: {}, data: {}, compare: [], started: null, shown: [] };
   window.__nt = state;  // for debugging in the console and for the browser tests
 
   const opt = () => ({ x: $("x-axis").value, smoothing: parseFloat($("smoothing").value), log: $("log-y").checked });
@@ -16,7 +17,8 @@
     const xs = Array.from(new Set(seriesList.flatMap((s) => s.x))).sort((a, b) => a - b);
     const pos = new Map(xs.map((x, i) => [x, i]));
     const cols = seriesList.map((s) => {
-      const col = new Array(xs.length).fill(null);
+      // undefined where a run has no point at this x (spanned); null is a NaN/inf value (a gap)
+      const col = new Array(xs.length).fill(undefined);
       s.x.forEach((x, i) => { col[pos.get(x)] = s.y[i]; });
       return col;
     });
@@ -69,7 +71,7 @@
         width: Math.max(box.clientWidth - 16, 300), height: 240,
         scales: { x: { time: false }, y: { distr: o.log ? 3 : 1 } },
         axes: [{ label: o.x, values: (u, vals) => vals.map(si) }, { values: (u, vals) => vals.map(si), size: 60 }],
-        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: true, width: 1.5 }))],
+        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: false, width: 1.5 }))],
       }, data, box.querySelector(".plot"));
       entry = state.charts[name] = { plot, box, key };
     }
@@ -88,17 +90,40 @@
 
   async function fetchRun(rid) {
     const o = opt();
-    const q = new URLSearchParams({ max_points: MAX_POINTS, x: o.x, smoothing: o.smoothing });
+    const q = new URLSearchParams({ max_points: MAX_POINTS, x: o.x, smoothing: o.smoothing, names: state.shown.join(",") });
     const res = await NT.json("/api/runs/" + encodeURIComponent(rid) + "/metrics?" + q);
     state.data[rid] = res.series;
   }
 
-  function metricNames() {
-    const names = Object.keys(state.data[runId] || {}).filter((n) => n !== "consumed_tokens");
-    return names.sort((a, b) => {
+  function byDefaultOrder(names) {
+    return names.slice().sort((a, b) => {
       const ia = DEFAULT_ORDER.indexOf(a), ib = DEFAULT_ORDER.indexOf(b);
       return (ia < 0 ? 99 : ia) - (ib < 0 ? 99 : ib) || a.localeCompare(b);
     });
+  }
+
+  function metricNames() {
+    const have = state.data[runId] || {};
+    return state.shown.filter((n) => n !== "consumed_tokens" && have[n]);
+  }
+
+  // The metric picker: every name of the run, the first DEFAULT_CHARTS ticked.
+  function buildPicker(names) {
+    const all = byDefaultOrder(names.filter((n) => n !== "consumed_tokens"));
+    if (!state.shown.length) state.shown = all.slice(0, DEFAULT_CHARTS);
+    const boxes = all.map((n) => {
+      const cb = NT.el("input", { type: "checkbox", value: n });
+      cb.checked = state.shown.includes(n);
+      cb.addEventListener("change", () => {
+        state.shown = all.filter((m) => $("picker").querySelector('input[value="' + CSS.escape(m) + '"]').checked);
+        for (const [name, entry] of Object.entries(state.charts)) {
+          if (!state.shown.includes(name)) { entry.plot.destroy(); entry.box.remove(); delete state.charts[name]; }
+        }
+        reload();
+      });
+      return NT.el("label", { "data-metric": n }, cb, " " + n);
+    });
+    $("picker").replaceChildren(NT.el("span", {}, all.length + " metrics:"), ...boxes);
   }
 
   async function reload() {
@@ -118,6 +143,10 @@
     const tokensAt = new Map((msg.points.consumed_tokens || []).map((p) => [p[0], p[1]]));
     let needRefetch = false;
     for (const [name, pts] of Object.entries(msg.points)) {
+      if (!state.shown.includes(name)) {  // a metric not charted: only a new one matters
+        if (state.run && !state.run.metric_names.includes(name)) scheduleRunReload();
+        continue;
+      }
       let s = series[name];
       if (!s) { needRefetch = true; continue; }
       for (const [step, value, t] of pts) {
@@ -141,6 +170,7 @@
   }
   const scheduleDraw = NT.throttle(() => metricNames().forEach(draw), 100);
   const scheduleReload = NT.throttle(reload, 1000);
+  const scheduleRunReload = NT.throttle(() => loadRun(), 2000);
 
   async function loadRun() {
     const run = await NT.json("/api/runs/" + encodeURIComponent(runId));
@@ -148,7 +178,11 @@
     state.started = run.started;
     document.title = "nanotron: " + (run.name || run.id);
     $("run-name").textContent = run.name || run.id;
-    $("run-status").replaceChildren(NT.badge(run.status));
+    $("run-status").replaceChildren(NT.badge(run.status), run.nonfinite ? NT.nanBadge(run.nonfinite) : "");
+    const before = state.run_names || "";
+    state.run_names = run.metric_names.join(",");
+    if (before !== state.run_names) buildPicker(run.metric_names);
+    if (before && before !== state.run_names) scheduleReload();
     $("run-project").textContent = run.project;
     $("run-parent").replaceChildren(run.resumed_from
       ? NT.el("a", { href: "/runs/" + encodeURIComponent(run.resumed_from.run_id), id: "parent-link" },
@@ -181,7 +215,9 @@
   }
 
   async function loadCheckpoints() {
-    const cks = await NT.json("/api/runs/" + encodeURIComponent(runId) + "/checkpoints");
+    // POST: stores checkpoints found on disk so that they can be resumed (a GET never writes)
+    const base = "/api/runs/" + encodeURIComponent(runId) + "/checkpoints";
+    const cks = await NT.json(base + "/scan", { method: "POST" }).catch(() => NT.json(base));
     $("checkpoints").querySelector("tbody").replaceChildren(...cks.map((ck) => {
       const copyBtn = NT.el("button", { class: "copy" }, "copy");
       copyBtn.addEventListener("click", () => copy(ck.resume_shell || ck.resume_command || "", copyBtn));
@@ -198,8 +234,16 @@
     }));
   }
 
+  async function deleteRun() {
+    if (!confirm("Delete run " + runId + " and its metrics from the dashboard? (Checkpoint files stay.)")) return;
+    try {
+      await NT.json("/api/runs/" + encodeURIComponent(runId), { method: "DELETE" });
+      location.href = "/";
+    } catch (e) { $("error").textContent = "delete failed: " + (e.message || e); }
+  }
+
   async function loadCompareChoices() {
-    const runs = await NT.json("/api/runs");
+    const runs = await NT.json("/api/runs?limit=200");
     $("compare").replaceChildren(...runs.filter((r) => r.id !== runId).map((r) =>
       NT.el("option", { value: r.id }, (r.project ? r.project + "/" : "") + (r.name || r.id))));
   }
@@ -214,7 +258,8 @@
   });
 
   (async () => {
-    state.session = await NT.json("/api/session");
+    state.session = await NT.session();
+    $("delete").addEventListener("click", deleteRun);
     try { await loadRun(); } catch (e) { $("error").textContent = String(e.message || e); return; }
     await reload();
     loadCompareChoices();
