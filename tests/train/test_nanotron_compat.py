@@ -332,3 +332,133 @@ def test_synthetic_and_real_stages_mix_with_their_own_sequence_lengths(tmp_path)
     _trainer(half).train()
     resumed = _trainer(_stages_config(tmp_path / "b", nanoset, 6, resume=True)).train()
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in full[4:]]
+
+
+def test_initial_state_recorded_step_and_benchmark_csv(tmp_path):
+    """save_initial_state writes step 0 (resuming from it reproduces the run); a checkpoint's
+    config records general.step/consumed_train_samples, checked on resume; benchmark_csv_path
+    gets one row per run."""
+    data = tiny_config()
+    data["checkpoints"] = {"checkpoints_path": str(tmp_path / "ck"), "checkpoint_interval": 2,
+                           "save_initial_state": True}  # fmt: skip
+    data["general"]["benchmark_csv_path"] = str(tmp_path / "bench" / "runs.csv")
+    full = _trainer(data).train()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["0", "2", "3", "latest.txt"]
+    saved = yaml.safe_load((tmp_path / "ck" / "2" / "config.yaml").read_text())
+    assert (saved["general"]["step"], saved["general"]["consumed_train_samples"]) == (2, 4)
+    resumed_cfg = tiny_config()
+    resumed_cfg["checkpoints"] = {"resume_checkpoint_path": str(tmp_path / "ck" / "0")}
+    again = _trainer(resumed_cfg).train()
+    assert [r["lm_loss"] for r in again] == [r["lm_loss"] for r in full]
+    saved["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "ck" / "3")  # step 2's config
+    saved["general"]["benchmark_csv_path"] = None
+    with pytest.raises(ValueError, match="general.step: the config says 2 but .* is at 3"):
+        _trainer(saved)
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "bench" / "runs.csv").open()))
+    _trainer(data | {"checkpoints": {}}).train()
+    rows2 = list(csv.DictReader((tmp_path / "bench" / "runs.csv").open()))
+    assert len(rows) == 1 and len(rows2) == 2
+    row = rows[0]
+    assert (row["name"], row["seq_len"], row["gbs"], row["steps"], row["dtype"]) == (
+        "r", "16", "2", "3", "float32")  # fmt: skip
+    mean = sum(r["tokens_per_sec_per_gpu"] for r in full[1:]) / 2
+    assert float(row["tok/s/gpu"]) == pytest.approx(mean, abs=0.01)
+
+
+def test_log_levels_per_rank(tmp_path, capfd):
+    from nanotron_train.config import LoggingArgs
+    from nanotron_train.log_levels import configure_logging
+
+    data = tiny_config()
+    data["logging"] = {"log_level": "warning", "metrics_file": str(tmp_path / "m.jsonl")}
+    out = io.StringIO()
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+
+    Trainer(config_from_dict(data), ParallelContext(1, 1, 1), stream=out).train()
+    assert out.getvalue() == ""  # step lines are info
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3
+    data["logging"]["log_level"] = "info"
+    Trainer(config_from_dict(data), ParallelContext(1, 1, 1), stream=out).train()
+    assert out.getvalue().count("iteration: ") == 3
+    import logging
+
+    args = LoggingArgs(log_level="debug", log_level_replica="error")
+    try:
+        assert configure_logging(args, rank=1) == "error"
+        assert logging.getLogger("nanotron_train").level == logging.ERROR
+        logging.getLogger("nanotron_train.data").warning("hidden")
+        assert configure_logging(args, rank=0) == "debug"
+        logging.getLogger("nanotron_models.x").debug("shown")
+        err = capfd.readouterr().err
+        assert "[rank 0] DEBUG nanotron_models.x: shown" in err and "hidden" not in err
+        assert configure_logging(LoggingArgs(log_level="passive"), rank=0) == "passive"
+        assert logging.getLogger("nanotron_train").level == logging.DEBUG  # left alone
+    finally:
+        configure_logging(LoggingArgs(), rank=0)  # the default (info) for later tests
+
+
+def test_tokenizer_revision_picks_that_snapshot_of_the_local_hub_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from nanotron_train.data import DataError, load_tokenizer
+    from nanotron_train.data.testing import make_tokenizer, tiny_texts
+    from nanotron_train.data_source import tokenizer_path
+
+    repo = tmp_path / "hub" / "models--org--tok"
+    revs = {"a" * 40: 300, "b" * 40: 320}
+    for rev, vocab in revs.items():
+        make_tokenizer(repo / "snapshots" / rev, tiny_texts(), vocab_size=vocab)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert load_tokenizer("org/tok").vocab_size == 300  # main
+    assert load_tokenizer("org/tok", "b" * 40).vocab_size == 320
+    data = tiny_config()
+    data["tokenizer"] = {"tokenizer_name_or_path": "org/tok", "tokenizer_revision": "b" * 40}
+    assert tokenizer_path(config_from_dict(data)) == str(
+        repo / "snapshots" / ("b" * 40) / "tokenizer.json"
+    )
+    with pytest.raises(DataError, match="at revision 'c+'"):
+        load_tokenizer("org/tok", "c" * 40)
+    with pytest.raises(DataError, match="applies to hub names only"):
+        load_tokenizer(str(repo / "snapshots" / ("a" * 40)), "main")
+
+
+def _sanity_run(_unused: int) -> tuple[int, str]:
+    import torch.distributed as dist
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.testing import shared_default_group
+    from nanotron_train.sanity import SanityCheckError
+    from nanotron_train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    data = tiny_config()
+    data["general"]["ignore_sanity_checks"] = False
+    data["parallelism"] = {"dp": 2}
+    with shared_default_group():
+        pc = ParallelContext(2, 1, 1)
+        tr = Trainer(config_from_dict(data), pc, stream=io.StringIO())
+        steps = [tr.train_step()["step"] for _ in range(2)]  # replicas agree: no error
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                dict(tr.state.model.named_parameters())["decoder.1.mlp.down.weight"][0, 0] += 1.0
+        try:
+            tr.train_step()
+            message = ""
+        except SanityCheckError as exc:
+            message = str(exc)
+        tr.close()
+        pc.destroy()
+    return len(steps), message
+
+
+def test_sanity_checks_catch_diverged_dp_replicas():
+    from nanotron_parallel.testing import run_distributed
+
+    for steps, message in run_distributed(_sanity_run, 2, 0, timeout=120):
+        assert steps == 2
+        assert message == "step 3: dp replicas disagree on decoder.1.mlp.down.weight"

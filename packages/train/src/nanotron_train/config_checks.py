@@ -385,14 +385,7 @@ def _not_yet(key: str, holds: Callable[..., bool]) -> Check:
 
 
 # Keys whose non-default values are being wired (issue 14); each row goes when its value works.
-NOT_YET: tuple[Check, ...] = (
-    _not_yet("general.benchmark_csv_path", lambda c: c.general.benchmark_csv_path is None),
-    _not_yet("general.ignore_sanity_checks", lambda c: c.general.ignore_sanity_checks),
-    _not_yet("tokenizer.tokenizer_revision", lambda c: c.tokenizer.tokenizer_revision is None),
-    _not_yet("checkpoints.save_initial_state", lambda c: not c.checkpoints.save_initial_state),
-    _not_yet("logging.log_level", lambda c: c.logging.log_level == "info"),
-    _not_yet("logging.log_level_replica", lambda c: c.logging.log_level_replica == "info"),
-)
+NOT_YET: tuple[Check, ...] = ()
 NOT_YET_STAGE: tuple[Check, ...] = (
     _not_yet(
         "data_stages.{i}.data.dataset",

@@ -9,7 +9,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nanotron_train.config import Config, DatasetStageArgs
-from nanotron_train.data import StageSpec, TrainData
+from nanotron_train.data import StageSpec, TrainData, load_tokenizer
 from nanotron_train.synthetic import SyntheticData
 
 
@@ -55,6 +55,15 @@ def build_data(cfg: Config, pc) -> Any:
     return StagedData(starts, sources)
 
 
+def tokenizer_path(cfg: Config) -> str | None:
+    """tokenizer.tokenizer_name_or_path, resolved to the cached file of tokenizer_revision when
+    one is given (the data path then reads that file)."""
+    tok = cfg.tokenizer
+    if tok.tokenizer_revision is None or tok.tokenizer_name_or_path is None:
+        return tok.tokenizer_name_or_path
+    return load_tokenizer(tok.tokenizer_name_or_path, tok.tokenizer_revision).path
+
+
 def _synthetic(cfg: Config, pc, stage: DatasetStageArgs) -> SyntheticData:
     tok = cfg.tokens
     return SyntheticData(
@@ -88,7 +97,7 @@ def _real(cfg: Config, pc, stages: list[DatasetStageArgs], first: bool = False) 
         batch_accumulation_per_replica=tok.batch_accumulation_per_replica,
         dp_rank=pc.dp_rank,
         dp_size=pc.dp_size,
-        tokenizer_path=cfg.tokenizer.tokenizer_name_or_path,
+        tokenizer_path=tokenizer_path(cfg),
         cache_dir=os.environ.get("NANOTRON_DATA_CACHE", ".cache/data"),
         model_vocab_size=cfg.model.model_config.vocab_size,
         barrier=lambda: dist.barrier(),

@@ -186,7 +186,7 @@ class MetricsLogger:
         wandb_project: str | None = None,
         run_name: str | None = None,
         config: dict | None = None,
-        stream: TextIO = sys.stdout,
+        stream: TextIO | None = sys.stdout,
         train_steps: int = 0,
         dashboard_url: str | None = None,
         run: RunInfo | None = None,
@@ -233,7 +233,8 @@ class MetricsLogger:
             )
 
     def log(self, rec: dict[str, Any]) -> None:
-        print(format_line(rec, self.train_steps), file=self.stream, flush=True)
+        if self.stream is not None:  # None: logging.log_level is above info
+            print(format_line(rec, self.train_steps), file=self.stream, flush=True)
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()
@@ -279,7 +280,9 @@ class MetricsLogger:
             self._dashboard = None
 
 
-def build_metrics_logger(cfg, pc, stream: TextIO = sys.stdout, resumed_step: int | None = None):
+def build_metrics_logger(
+    cfg, pc, stream: TextIO | None = sys.stdout, resumed_step: int | None = None
+):
     """The logging rank's MetricsLogger for a Trainer (`cfg`: Config, `pc`: ParallelContext)."""
     lg, ck = cfg.logging, cfg.checkpoints
     run = RunInfo(

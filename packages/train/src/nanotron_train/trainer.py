@@ -10,6 +10,7 @@ Everything a checkpoint needs lives in one `TrainState` (issue 7 adds save/load 
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -28,9 +29,11 @@ from nanotron_parallel.data_parallel import DataParallelGrads
 from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step
 from nanotron_parallel.tied import tied_parameters
 from nanotron_parallel.zero import all_gather_params, grad_norm_ranges, owned_ranges
+from nanotron_train.benchmark_csv import append_row, benchmark_row
 from nanotron_train.checkpoints import hooks as checkpoint_hooks
 from nanotron_train.config import Config
 from nanotron_train.data_source import build_data
+from nanotron_train.log_levels import configure_logging, prints_step_lines
 from nanotron_train.lr_schedule import LRSchedule, build_lr_schedule
 from nanotron_train.metrics import (
     MetricsLogger,
@@ -44,6 +47,7 @@ from nanotron_train.model_factory import DTYPES, padded_model_config
 from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
 from nanotron_train.perf import build_train_model
 from nanotron_train.profiling import StepProfiler
+from nanotron_train.sanity import SanityCheckError, check_dp_replicas
 
 
 @dataclass
@@ -77,10 +81,12 @@ class Trainer:
 
     def __init__(self, cfg: Config, pc: ParallelContext, stream: TextIO = sys.stdout) -> None:
         self.cfg, self.pc = cfg, pc
+        level = configure_logging(cfg.logging, pc.rank)  # log_level / log_level_replica
         torch.manual_seed(cfg.general.seed)
         random.seed(cfg.general.seed)
         model = build_train_model(cfg, pc)  # perf.py: v chunks, recompute, async tp, compile
         named = list(model.named_parameters())
+        self.named_params = named
         self.tied = tied_parameters(model, pc)  # collective when pp > 1
         tied_ids = {id(p) for g in self.tied.groups for p in g.params}
         opt = cfg.optimizer
@@ -127,7 +133,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
         self.logger: MetricsLogger | None = None
         if pc.rank == 0:  # stdout, metrics file, TensorBoard, wandb, dashboard
-            self.logger = build_metrics_logger(cfg, pc, stream, resumed_step=self.last_saved)
+            shown = stream if prints_step_lines(level) else None
+            self.logger = build_metrics_logger(cfg, pc, shown, resumed_step=self.last_saved)
             # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
             self.state.extra["run_id"] = self.logger.run_id
 
@@ -155,6 +162,10 @@ class Trainer:
         s.optimizer.step(lr)
         if self.zero_stage:
             all_gather_params(self.grads)
+        if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
+            check_dp_replicas(self.named_params, pc.dp_group, pc.dp_size, step)
+            if not self.tied.copies_equal():
+                raise SanityCheckError(f"step {step}: tied parameter copies disagree")
         loss = self._global_mean_loss(result.loss)
         z_loss = self._global_mean_z_loss(len(micro_batches)) if self.z_loss_blocks else None
         if pc.device.type == "cuda":
@@ -201,6 +212,11 @@ class Trainer:
         records = []
         interval = self.cfg.logging.iteration_step_info_interval
         try:
+            initial = checkpoint_hooks.save_initial(self)  # checkpoints.save_initial_state
+            if initial is not None:
+                self.last_saved = 0
+                if self.logger is not None:
+                    self.logger.checkpoint(initial)
             while self.state.step < self.cfg.tokens.train_steps:
                 rec = self.train_step()
                 records.append(rec)
@@ -217,6 +233,10 @@ class Trainer:
             raise
         finally:
             self.close()
+        csv_path = self.cfg.general.benchmark_csv_path
+        if csv_path and self.pc.rank == 0 and records:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.pc.world_size))
+            append_row(csv_path, benchmark_row(self.cfg, records, self.pc.world_size, local))
         return records
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.load import load_checkpoint, resolve_checkpoint
 from nanotron_train.checkpoints.save import clean_leftovers, save_checkpoint
 
@@ -18,6 +19,7 @@ def on_start(trainer) -> int | None:
         return None
     folder = resolve_checkpoint(ck.resume_checkpoint_path, ck.checkpoints_path)
     meta = load_checkpoint(folder, trainer.state, cfg, pc, trainer.zero_stage)
+    _check_recorded_position(cfg, meta, folder)
     if pc.rank == 0:
         t = meta["topology"]
         print(
@@ -39,3 +41,29 @@ def after_step(trainer, last_saved: int | None) -> Path | None:
     if state.step % ck.checkpoint_interval != 0 and not final:
         return None
     return save_checkpoint(ck.checkpoints_path, state, cfg, trainer.pc, trainer.zero_stage)
+
+
+def _check_recorded_position(cfg, meta: dict, folder: Path) -> None:
+    """general.step / consumed_train_samples, when a config carries them (a checkpoint's
+    config.yaml does), must describe the checkpoint it resumes from."""
+    for key, have in (
+        ("step", meta["step"]),
+        ("consumed_train_samples", meta.get("consumed_samples")),
+    ):
+        want = getattr(cfg.general, key)
+        if want is not None and want != have:
+            raise CheckpointError(
+                f"general.{key}: the config says {want} but {folder} is at {have}; "
+                "set it to null or resume from the checkpoint it was saved with"
+            )
+
+
+def save_initial(trainer) -> Path | None:
+    """checkpoints.save_initial_state: the state before the first step, as `<root>/0/`
+    (not when resuming). Collective."""
+    ck, state = trainer.cfg.checkpoints, trainer.state
+    if not (ck.save_initial_state and ck.checkpoints_path) or state.step != 0:
+        return None
+    if ck.resume_checkpoint_path:
+        return None
+    return save_checkpoint(ck.checkpoints_path, state, trainer.cfg, trainer.pc, trainer.zero_stage)

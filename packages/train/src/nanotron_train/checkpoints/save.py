@@ -178,7 +178,9 @@ def _write_rank_files(tmp: Path, state, cfg, pc, zero_stage: int) -> list[FileRe
         )
         data = {"data": state.data.state_dict(), "consumed_samples": state.consumed_samples}
         records.append(write_text_durable(tmp / "data_state.json", json.dumps(data, indent=1), tmp))
-        text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        raw = cfg.to_dict()  # Nanotron records the position in the saved config too
+        raw["general"].update(step=state.step, consumed_train_samples=state.consumed_samples)
+        text = yaml.safe_dump(raw, sort_keys=False)
         records.append(write_text_durable(tmp / "config.yaml", text, tmp))
     return records
 

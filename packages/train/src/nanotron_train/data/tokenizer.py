@@ -59,8 +59,13 @@ def _find_eos(tok: Tokenizer, where: str) -> int:
     raise DataError(f"{where}: tokenizer has no EOS token (looked for {EOS_TOKEN!r}, '</s>', ...)")
 
 
-def _resolve_tokenizer_file(name_or_path: str) -> Path:
+def _resolve_tokenizer_file(name_or_path: str, revision: str | None = None) -> Path:
     path = Path(name_or_path).expanduser()
+    if revision is not None and (path.is_dir() or path.is_file()):
+        raise DataError(
+            f"tokenizer {name_or_path!r} is a local path: tokenizer.tokenizer_revision "
+            f"({revision!r}) applies to hub names only; set it to null"
+        )
     if path.is_dir():
         candidate = path / TOKENIZER_FILE
         if not candidate.is_file():
@@ -72,21 +77,23 @@ def _resolve_tokenizer_file(name_or_path: str) -> Path:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(name_or_path, TOKENIZER_FILE)
+        cached = try_to_load_from_cache(name_or_path, TOKENIZER_FILE, revision=revision)
     except Exception:  # noqa: BLE001 (an invalid repo id, no huggingface_hub: not cached)
         cached = None
     if isinstance(cached, str) and os.path.isfile(cached):
         return Path(cached)
+    at = f" at revision {revision!r}" if revision is not None else ""
     raise DataError(
         f"tokenizer {name_or_path!r}: not a local folder or tokenizer.json file, and not in "
-        "the local Hugging Face cache. This machine may be offline: pass a local path "
+        f"the local Hugging Face cache{at}. This machine may be offline: pass a local path "
         "(e.g. one made by `python -m nanotron_train.data train-tokenizer`)"
     )
 
 
-def load_tokenizer(name_or_path: str) -> LoadedTokenizer:
-    """Load a tokenizer from a local folder, a tokenizer.json file or the local HF cache."""
-    file = _resolve_tokenizer_file(str(name_or_path))
+def load_tokenizer(name_or_path: str, revision: str | None = None) -> LoadedTokenizer:
+    """Load a tokenizer from a local folder, a tokenizer.json file or the local HF cache
+    (`revision`: a branch, tag or commit of the hub name, as cached)."""
+    file = _resolve_tokenizer_file(str(name_or_path), revision)
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as exc:  # noqa: BLE001 (tokenizers raises plain Exception)
