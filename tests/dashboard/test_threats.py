@@ -222,10 +222,13 @@ def test_finding5_parallel_launches_start_one_child_and_reap_it(live_dashboard, 
     d = live_dashboard
     marker = tmp_path / "starts"
     script = tmp_path / "slow.py"
-    script.write_text(
-        "import os, sys, time\n"
+    release = tmp_path / "release"
+    script.write_text(  # runs until the test releases it: the launches overlap for sure
+        "import os, time\n"
         f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
-        "time.sleep(1.5)\n"
+        "t0 = time.time()\n"
+        f"while not os.path.exists({str(release)!r}) and time.time() - t0 < 120:\n"
+        "    time.sleep(0.05)\n"
     )
     d.post(
         "/api/ingest",
@@ -257,10 +260,11 @@ def test_finding5_parallel_launches_start_one_child_and_reap_it(live_dashboard, 
     for t in threads:
         t.join()
     assert sorted(codes) == [202, 409, 409]
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not marker.exists():
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (marker.exists() and marker.read_text()):
         time.sleep(0.05)
     (pid,) = [int(p) for p in marker.read_text().split()]
+    release.write_text("")
     # after it exits it is reaped: no zombie left under the server
     while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
         time.sleep(0.1)
