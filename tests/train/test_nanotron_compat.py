@@ -223,16 +223,19 @@ def test_model_keys_reach_the_model_and_optimizer():
 
 
 def test_example_runs_with_only_its_data_and_layout_changed(tmp_path, monkeypatch):
-    """Nanotron's example, its two data stages pointed at local tokenized folders and its
+    """Nanotron's example, its two data stages pointed at local tokenized folders (ours, then
+    a datatrove one) and its
     2x2x2 layout folded onto one process: it trains and checkpoints as the YAML says."""
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.data.testing import make_id_nanoset
     from nanotron_train.trainer import train
+    from tests.train.test_nanotron_data import documents, write_datatrove
 
     monkeypatch.chdir(tmp_path)
     data = example()
-    for i, stage in enumerate(data["data_stages"]):
-        folder = make_id_nanoset(tmp_path / f"ns{i}", [300] * 40, high=256, seed=i)
+    ours = make_id_nanoset(tmp_path / "ns", [300] * 40, high=256)
+    theirs = write_datatrove(tmp_path / "dt", [documents(1, 300), documents(2, 300)])
+    for stage, folder in zip(data["data_stages"], (ours, theirs)):  # annealing on Nanotron data
         stage["data"]["dataset"] = {"dataset_folder": str(folder)}
     data["parallelism"].update(dp=1, tp=1, pp=1)
     cfg = config_from_dict(data, "ex.yaml", world_size=1)

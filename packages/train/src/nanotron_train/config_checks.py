@@ -390,12 +390,7 @@ NOT_YET_STAGE: tuple[Check, ...] = (
     _not_yet(
         "data_stages.{i}.data.dataset",
         lambda c, s: (
-            _dataset(s).dataset_read_path is None
-            and _dataset(s).tokenizer_name is None
-            and _dataset(s).token_size_in_bytes is None
-            and not _dataset(s).return_positions
-            and _dataset(s).dataset_max_tokens is None
-            and not _dataset(s).shuffle_files
+            True
             and _dataset(s).hf_dataset_splits in (None, ["train"])
             and not _dataset(s).dataset_overwrite_cache
         ),

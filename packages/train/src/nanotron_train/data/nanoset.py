@@ -108,7 +108,7 @@ class Nanoset:
 
     @property
     def num_tokens(self) -> int:
-        return self.metadata.num_tokens
+        return len(self.tokens)  # = metadata num_tokens, unless dataset_max_tokens cut it
 
     @property
     def eos_token_id(self) -> int:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from nanotron_train.data.blend import blend_counts_at, blend_draw
 from nanotron_train.data.cache import cached_nanoset
+from nanotron_train.data.datatrove import keep_first_tokens, open_tokenized_folder, positions
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.nanoset import Nanoset
 from nanotron_train.data.sampler import ShuffledSamples
@@ -121,7 +123,11 @@ class TrainData:
                 )
             ]
         weights = check_weights(ds.dataset_weights, len(folders), f"data_stages[{i}].data.dataset")
-        nanosets = [Nanoset(f, model_vocab_size=vocab) for f in folders]
+        if ds.dataset_read_path is not None:  # Nanotron: read the local copy where it exists
+            folders = [r if Path(r).exists() else f for f, r in zip(folders, ds.dataset_read_path)]
+        nanosets = [open_tokenized_folder(f, ds, spec.seed, vocab) for f in folders]
+        for ns, limit in zip(nanosets, ds.dataset_max_tokens or []):
+            keep_first_tokens(ns, limit)
         samplers = []
         seq = spec.sequence_length or self.sequence_length
         for d, ns in enumerate(nanosets):
@@ -131,7 +137,7 @@ class TrainData:
                     f"{ns.folder}: {ns.num_tokens} tokens are too few for one sample of "
                     f"sequence_length + 1 = {seq + 1}"
                 )
-            if tok_sha and ns.metadata.tokenizer.get("sha256") != tok_sha:
+            if tok_sha and ns.metadata.tokenizer.get("sha256") not in (None, tok_sha):
                 logger.warning("data: %s was tokenized with another tokenizer", ns.folder)
             samplers.append(
                 ShuffledSamples(n, spec.seed, d, f"stage {spec.name!r} {ns.folder}",
@@ -202,11 +208,19 @@ class TrainData:
             label_mask = torch.from_numpy(mask)
         else:
             label_mask = torch.ones((len(picks), S), dtype=torch.bool)
-        return {
+        batch = {
             "input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
             "label_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])),
             "label_mask": label_mask,
         }
+        if stage.spec.dataset.return_positions:  # position ids restart at each document
+            pos = np.empty((len(picks), S), dtype=np.int64)
+            for d in {d for d, _ in picks}:
+                rows = [r for r, (dd, _) in enumerate(picks) if dd == d]
+                starts = np.asarray([picks[r][1] * S for r in rows], dtype=np.int64)
+                pos[rows] = positions(stage.nanosets[d].doc_ends, starts, S)
+            batch["position_ids"] = torch.from_numpy(pos)
+        return batch
 
     # ---- checkpointing --------------------------------------------------------------------
 
