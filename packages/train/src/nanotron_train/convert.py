@@ -1,14 +1,18 @@
-"""Hugging Face export and import of checkpoints.
+"""Hugging Face export and import of checkpoints, and import of Nanotron checkpoints.
 
     python -m nanotron_train.convert to-hf --ckpt-path CKPT --out DIR
     python -m nanotron_train.convert from-hf --hf-path DIR --out CKPT [--config-file C.yaml]
+    python -m nanotron_train.convert from-nanotron --nanotron-path DIR --out CKPT
 
 to-hf writes a folder `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)` load: model.safetensors in the checkpoint's dtype,
 config.json (rope, tie, token ids), generation_config.json and the tokenizer files.
 from-hf writes `<CKPT>/<step>/` (step 0 unless --step) that the trainer resumes from in any
 layout: the weights, a fresh optimizer state, and the training config (--config-file, or one
-derived from the HF config). A user error prints one line and exits with status 2.
+derived from the HF config). from-nanotron reads a Nanotron checkpoint saved with any tp/pp
+(see nanotron_checkpoint.py) and writes `<CKPT>/<step>/` at its step, with its config
+translated (checkpoints now go to CKPT, resuming from it). A user error prints one line and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -153,14 +157,9 @@ def from_hf(
     hf_path: str | Path, out: str | Path, *, config_file: str | None = None, step: int = 0
 ) -> Path:
     """Import a Hugging Face Llama folder as `<out>/<step>/`; returns the step folder."""
-    from nanotron_models import build_llama, load_full_state_dict
     from nanotron_models.hf import config_from_hf, hf_state_dict_to_ours_full
-    from nanotron_parallel.context import ParallelContext
-    from nanotron_train.checkpoints import CheckpointError, save_checkpoint
+    from nanotron_train.checkpoints import CheckpointError
     from nanotron_train.config import load_config
-    from nanotron_train.lr_schedule import build_lr_schedule
-    from nanotron_train.model_factory import padded_model_config
-    from nanotron_train.model_io import DTYPES
 
     hf_dir, out = Path(hf_path), Path(out)
     if step < 0:
@@ -178,14 +177,31 @@ def from_hf(
     if (out / str(step)).exists():
         raise CheckpointError(f"{out / str(step)}: already exists; choose another --out or --step")
     hf_sd = read_hf_weights(hf_dir)
+    if has_tokenizer and not tok_dir.exists():
+        write_folder_atomically(tok_dir, lambda d: copy_tokenizer_files(hf_dir, d), False)
+    return save_imported(
+        cfg, lambda mc: hf_state_dict_to_ours_full(hf_sd, mc), out, step, consumed_samples=0
+    )
+
+
+def save_imported(
+    cfg, full_state_dict, out: Path, step: int, consumed_samples: int, consumed_tokens: int = 0
+) -> Path:
+    """Write `<out>/<step>/` holding the weights `full_state_dict(model_config)` returns (our
+    global names, full tensors), a fresh optimizer, the LR schedule at `step` and `cfg`."""
+    from nanotron_models import build_llama, load_full_state_dict
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.checkpoints import save_checkpoint
+    from nanotron_train.lr_schedule import build_lr_schedule
+    from nanotron_train.model_factory import padded_model_config
+    from nanotron_train.model_io import DTYPES
+
     pc = ParallelContext()
     try:
         torch.manual_seed(cfg.general.seed)
         mc = padded_model_config(cfg)
         model = build_llama(mc, pc, dtype=DTYPES[cfg.model.dtype], seed=cfg.general.seed)
-        load_full_state_dict(model, hf_state_dict_to_ours_full(hf_sd, mc))
-        if has_tokenizer and not tok_dir.exists():
-            write_folder_atomically(tok_dir, lambda d: copy_tokenizer_files(hf_dir, d), False)
+        load_full_state_dict(model, full_state_dict(mc))
         # The state a run at `step` would checkpoint, before any optimizer step was taken.
         state = SimpleNamespace(
             model=model,
@@ -195,14 +211,35 @@ def from_hf(
             ),
             data=SimpleNamespace(state_dict=lambda: _data_state(cfg, step)),
             step=step,
-            consumed_samples=0,
-            consumed_tokens=0,
+            consumed_samples=consumed_samples,
+            consumed_tokens=consumed_tokens,
         )
         random.seed(cfg.general.seed)
         np.random.seed(cfg.general.seed % 2**32)
         return save_checkpoint(out, state, cfg, pc, zero_stage=0)
     finally:
         pc.destroy()
+
+
+def from_nanotron(nanotron_path: str | Path, out: str | Path) -> Path:
+    """Import a Nanotron checkpoint (weights, step, config) as `<out>/<step>/`."""
+    from nanotron_train import nanotron_checkpoint as nt
+    from nanotron_train.checkpoints import CheckpointError
+    from nanotron_train.config import config_from_dict
+
+    folder, out = nt.resolve(nanotron_path), Path(out)
+    step, samples, tokens = nt.read_position(folder)
+    raw = nt.read_config(folder)
+    raw.setdefault("checkpoints", {})
+    raw["checkpoints"].update(
+        checkpoints_path=str(out.resolve()), resume_checkpoint_path=str(out.resolve())
+    )
+    raw.setdefault("general", {}).update(step=step, consumed_train_samples=samples)
+    cfg = config_from_dict(raw, f"{folder / 'config.yaml'} (translated)")
+    if (out / str(step)).exists():
+        raise CheckpointError(f"{out / str(step)}: already exists; choose another --out")
+    weights = nt.to_our_names(nt.read_weights(folder), cfg.model.model_config.tie_word_embeddings)
+    return save_imported(cfg, lambda mc: weights, out, step, samples, tokens)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -224,6 +261,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--out", required=True, help="the checkpoints folder to write <out>/<step>/ in")
     b.add_argument("--config-file", help="the training config to store (default: derived)")
     b.add_argument("--step", type=int, default=0, help="the step the checkpoint is at (default 0)")
+    c = sub.add_parser("from-nanotron", help="Nanotron checkpoint -> checkpoint")
+    c.add_argument(
+        "--nanotron-path", required=True, help="a Nanotron checkpoint step folder or its root"
+    )
+    c.add_argument("--out", required=True, help="the checkpoints folder to write <out>/<step>/ in")
     return p.parse_args(argv)
 
 
@@ -236,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"wrote {path} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
         else:
-            path = from_hf(args.hf_path, args.out, config_file=args.config_file, step=args.step)
+            if args.command == "from-nanotron":
+                path = from_nanotron(args.nanotron_path, args.out)
+            else:
+                path = from_hf(args.hf_path, args.out, config_file=args.config_file, step=args.step)
             print(
                 f"wrote {path}; fine-tune with: python -m nanotron_train "
                 f"--config-file {path / 'config.yaml'} --resume {path}"

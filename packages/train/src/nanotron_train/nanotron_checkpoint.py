@@ -1,0 +1,131 @@
+"""Reading a Nanotron checkpoint: its weights (any tp/pp it was saved with) and its config.
+
+Nanotron's layout (src/nanotron/serialize): `<ckpt>/checkpoint_metadata.json` (the step and
+consumed samples under `metas`), `<ckpt>/config.yaml` (its Config), and one safetensors file
+per parameter and tp/pp shard under `<ckpt>/model/`, the parameter's dotted name as folders:
+`model/model/decoder/0/pp_block/attn/qkv_proj/model_weight_pp-rank-0-of-2_tp-rank-1-of-2
+.safetensors` holding one tensor `data`. A sharded file's metadata gives `unsharded_shape` and
+`local_global_slices_pairs` (`local#global` slice lists, `|` between dims, `;` between pairs),
+which place each piece of the shard in the full tensor; a replicated parameter has one file,
+`model_weight.safetensors`. A tied parameter is stored once, under its first name.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+
+from nanotron_train.checkpoints.errors import CheckpointError
+from nanotron_train.nanotron_names import from_nanotron
+
+_FILE = re.compile(
+    r"model_(?P<attr>[^_].*?)(?:_pp-rank-\d+-of-\d+_tp-rank-\d+-of-\d+)?\.safetensors"
+)
+
+
+def _slices(text: str) -> tuple[slice, ...]:
+    def one(part: str) -> slice:
+        return slice(*(None if x == "None" else int(x) for x in part.split(",")))
+
+    return tuple(one(p) for p in text.split("|"))
+
+
+def _read_file(path: Path) -> tuple[torch.Tensor, dict]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return f.get_tensor("data"), f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 (safetensors raises several types)
+        raise CheckpointError(f"{path}: not a Nanotron weight file ({exc})") from None
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every parameter, full, keyed by Nanotron's name (shards merged by their slices)."""
+    root = folder / "model"
+    files = sorted(root.rglob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no Nanotron weight files (*.safetensors)")
+    shards: dict[str, list[Path]] = {}
+    for path in files:
+        match = _FILE.fullmatch(path.name)
+        if match is None:
+            raise CheckpointError(f"{path}: not a Nanotron weight file name")
+        name = ".".join([*path.parent.relative_to(root).parts, match["attr"]])
+        shards.setdefault(name, []).append(path)
+    out = {}
+    for name, paths in shards.items():
+        tensor, meta = _read_file(paths[0])
+        if "unsharded_shape" not in meta:
+            out[name] = tensor
+            continue
+        shape = tuple(ast.literal_eval(meta["unsharded_shape"]))
+        full = torch.empty(shape, dtype=tensor.dtype)
+        filled = torch.zeros(shape, dtype=torch.bool)
+        for path in paths:
+            shard, meta = _read_file(path)
+            for pair in meta["local_global_slices_pairs"].split(";"):
+                local, glob = (_slices(t) for t in pair.split("#"))
+                full[glob] = shard[local]
+                filled[glob] = True
+        if not bool(filled.all()):
+            raise CheckpointError(f"{root}: the shards of {name} do not cover it (a file missing?)")
+        out[name] = full
+    return out
+
+
+def to_our_names(weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """Nanotron names -> ours; a tied lm_head takes the embedding (stored once)."""
+    out, unknown = {}, []
+    for name, tensor in weights.items():
+        ours = from_nanotron(name)
+        if ours is None:
+            unknown.append(name)
+        else:
+            out[ours] = tensor
+    if unknown:
+        raise CheckpointError(
+            f"Nanotron parameters with no Llama counterpart here: {sorted(unknown)[:3]}"
+        )
+    if tied:
+        out.setdefault("lm_head.weight", out.get("embedding.weight"))
+        out.setdefault("embedding.weight", out.get("lm_head.weight"))
+    return out
+
+
+def read_position(folder: Path) -> tuple[int, int, int]:
+    """(step, consumed samples, consumed tokens) from checkpoint_metadata.json."""
+    path = folder / "checkpoint_metadata.json"
+    try:
+        metas = json.loads(path.read_text())["metas"]
+        samples = int(metas["consumed_train_samples"])
+        return int(metas["last_train_step"]), samples, int(metas.get("consumed_tokens_total") or 0)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{path}: missing or not Nanotron's checkpoint metadata ({exc})"
+        ) from None
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"{path}: cannot read Nanotron's config ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a Nanotron config")
+    return raw
+
+
+def resolve(path: str | Path) -> Path:
+    """A step folder, or a checkpoints root whose latest.txt names the step (as Nanotron's)."""
+    folder = Path(path)
+    if (folder / "latest.txt").is_file() and not (folder / "checkpoint_metadata.json").exists():
+        folder = folder / (folder / "latest.txt").read_text().strip()
+    if not (folder / "checkpoint_metadata.json").is_file():
+        raise CheckpointError(f"{folder}: not a Nanotron checkpoint (no checkpoint_metadata.json)")
+    return folder
