@@ -5,14 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format clean stop chromium
-
-# The dashboard's charting library (uPlot), pinned by its package-lock.json and copied into the
-# package's git-ignored static folder.
-DASH_VENDOR := packages/dashboard/src/nanotron_dashboard/static/vendor/uPlot.iife.min.js
+.PHONY: setup run test lint format clean stop chromium npm dist
 
 # A fresh virtual environment with the four packages editable and the dev tools.
-$(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml
+$(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml VERSION
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	$(PY) -m pip install -q -c constraints.txt \
@@ -20,17 +16,20 @@ $(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml
 		--group dev
 	touch $(STAMP)
 
-$(DASH_VENDOR): packages/dashboard/frontend/package-lock.json
-	packages/dashboard/build_assets.sh
-
 # Debian's Chromium drives the browser tests through Playwright (never `playwright install`:
 # the machines are offline). Needs root, as on the development and CI machines.
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-setup: $(STAMP) $(DASH_VENDOR)
+# npm fetches the uPlot tarball that tests/packaging checks the committed copy against.
+npm:
+	@command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq npm >/dev/null; }
 
-test: setup chromium
+setup: $(STAMP)
+
+# The suite includes tests/packaging: it builds the four sdists and wheels and installs them
+# into fresh virtual environments (the dashboard alone; parallel + models + train alone).
+test: setup chromium npm
 	$(PY) -m pytest
 
 lint: setup
@@ -51,5 +50,9 @@ run: setup
 stop:
 	@if test -x $(PY); then $(PY) -m nanotron_train.quickstart stop; fi
 
+# An sdist and a wheel of each package, in dist/ (one version for all four: the VERSION file).
+dist: setup
+	for p in parallel models train dashboard; do $(PY) -m build --outdir dist packages/$$p || exit 1; done
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache dist

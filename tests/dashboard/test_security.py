@@ -42,7 +42,7 @@ def test_malformed_database_is_a_clear_error(tmp_path, capsys):
 
 def test_missing_chart_asset_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(app_module, "VENDOR", tmp_path / "no-vendor")
-    with pytest.raises(MissingAssetError, match="build_assets.sh"):
+    with pytest.raises(MissingAssetError, match="reinstall nanotron-dashboard"):
         create_app(Settings(db=str(tmp_path / "x.db")))
 
 

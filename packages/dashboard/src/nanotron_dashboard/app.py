@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from . import api, ingest
+from . import __version__, api, ingest
 from .db import lock_database, open_database
 from .errors import MissingAssetError
 from .guard import BrowserGuard, HostPolicy
@@ -50,7 +50,7 @@ def check_assets() -> None:
     if missing:
         raise MissingAssetError(
             f"the charting library is missing from {VENDOR} ({', '.join(missing)}): "
-            "run packages/dashboard/build_assets.sh (needs npm) to copy uPlot in"
+            "this installation is incomplete: reinstall nanotron-dashboard (it ships uPlot)"
         )
 
 
@@ -84,7 +84,7 @@ def create_app(settings: Settings) -> FastAPI:
         engine.dispose()
         lock.close()
 
-    app = FastAPI(title="nanotron dashboard", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="nanotron dashboard", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
     app.state.cache = cache

@@ -10,7 +10,7 @@ class DatabaseFileError(DashboardError):
 
 
 class MissingAssetError(DashboardError):
-    """The charting library was not copied into static/vendor by the build step."""
+    """The charting library (committed in static/vendor, shipped in the wheel) is missing."""
 
 
 class StartupConfigError(DashboardError):

@@ -3,6 +3,9 @@
 ``testing`` (the multi-process pytest helper) is not imported here; import it explicitly.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from nanotron_parallel.context import (
     ParallelConfigError,
     ParallelContext,
@@ -33,7 +36,10 @@ from nanotron_parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-__version__ = "0.1.0"
+try:  # the one version of the four packages (the repository's VERSION file)
+    __version__ = _version("nanotron-parallel")
+except PackageNotFoundError:  # imported from a source tree without installing (PYTHONPATH)
+    __version__ = "0+unknown"
 
 __all__ = [
     "ColumnParallelLinear",

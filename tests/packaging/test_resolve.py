@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OURS = {"nanotron-parallel", "nanotron-models", "nanotron-train", "nanotron-dashboard"}
 WEB_STACK = {"fastapi", "uvicorn", "sqlalchemy", "websockets", "pydantic", "starlette"}
 
