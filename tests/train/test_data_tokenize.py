@@ -217,7 +217,7 @@ def test_train_data_tokenizes_raw_dataset_once_into_cache(tmp_path, tok_dir):
         return TrainData([StageSpec("s", 1, spec, 0)], sequence_length=16, micro_batch_size=2,
                          batch_accumulation_per_replica=1, dp_rank=rank, dp_size=2,
                          tokenizer_path=str(tok_dir), cache_dir=str(tmp_path / "cache"),
-                         model_vocab_size=300, barrier=lambda: calls.append(rank),
+                         model_vocab_size=300, barrier=lambda error: calls.append(rank),
                          is_builder=rank == 0)  # fmt: skip
 
     first = build(0)

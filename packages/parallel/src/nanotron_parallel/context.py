@@ -106,6 +106,9 @@ class ParallelContext:
         )
         # Reuse a default group someone else made (and leave it to them to destroy).
         self._owns_default_group = not already
+        # Every group gets the same timeout (new_group would otherwise use the backend's
+        # default, 30 min for gloo, not the world's).
+        self.timeout = timeout
         if not already:
             self._init_default_group(launched, rank, world_size, timeout)
 
@@ -118,7 +121,7 @@ class ParallelContext:
         mine: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
         for kind, lists in group_rank_lists(dp, tp, pp).items():
             for ranks in lists:
-                group = dist.new_group(ranks=ranks)
+                group = dist.new_group(ranks=ranks, timeout=timeout)
                 self._created_groups.append(group)
                 if rank in ranks:
                     mine[kind] = (group, ranks)
@@ -149,8 +152,18 @@ class ParallelContext:
                     raise ParallelConfigError(
                         f"environment variable {key} is required under torchrun"
                     )
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if restart is None:
+                dist.init_process_group(
+                    self.backend, init_method="env://", rank=rank, world_size=world_size, **kwargs
+                )
+                return
+            # torchrun --max-restarts keeps one store for every attempt: without a prefix, a
+            # restarted rank can read a dead rank's address left by the previous attempt.
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size, **kwargs))
+            store = dist.PrefixStore(f"attempt{restart}", store)
             dist.init_process_group(
-                self.backend, init_method="env://", rank=rank, world_size=world_size, **kwargs
+                self.backend, store=store, rank=rank, world_size=world_size, **kwargs
             )
         else:
             # A world of one still gets a real process group, so the same collectives run.
@@ -212,7 +225,7 @@ class ParallelContext:
             normalised.append(ranks)
         found: dist.ProcessGroup | None = None
         for ranks in normalised:
-            group = dist.new_group(ranks=ranks)
+            group = dist.new_group(ranks=ranks, timeout=self.timeout)
             self._created_groups.append(group)
             if self.rank in ranks:
                 if found is not None:

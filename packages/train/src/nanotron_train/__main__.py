@@ -12,6 +12,8 @@ import os
 import sys
 
 from nanotron_train.config import load_config
+from nanotron_train.fault.errors import TrainingStopped
+from nanotron_train.fault.launcher import watch_launcher
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -28,8 +30,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--resume",
-        metavar="PATH|latest",
-        help="resume from a checkpoint folder, a checkpoints root, or `latest` of checkpoints_path",
+        metavar="PATH|latest|auto",
+        help="resume from a checkpoint folder, a checkpoints root, or `latest` of "
+        "checkpoints_path; `auto`: the latest complete one if there is one, else start fresh "
+        "(for torchrun --max-restarts)",
     )
     return parser.parse_args(argv)
 
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    watch_launcher()  # a torchrun worker exits when torchrun dies (fault/launcher.py)
     try:
         overrides = list(args.override)
         if args.resume:  # same as checkpoints.resume_checkpoint_path, quoted so YAML keeps a string
@@ -53,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except TrainingStopped as exc:  # a policy stopped the run: the same line on every rank
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

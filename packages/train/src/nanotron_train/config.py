@@ -24,6 +24,7 @@ from nanotron_models.config import LlamaConfig
 from nanotron_train.config_checks import validate
 from nanotron_train.config_loader import ConfigError, apply_override, from_dict, to_dict
 from nanotron_train.data.stages import DatasetSpec
+from nanotron_train.fault_config import FaultToleranceArgs
 from nanotron_train.perf_config import ProfilerArgs
 
 __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "save_config"]
@@ -56,6 +57,9 @@ class ParallelismArgs:
     tp_recompute_allgather: bool = True
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
+    # A collective or p2p waiting longer than this fails every rank with who did not arrive
+    # (fault/watchdog.py); the backend's own timeout is set a little above it as a backstop.
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -147,6 +151,8 @@ class CheckpointsArgs:
     checkpoints_path_is_shared_file_system: bool = False
     load_lr_scheduler: bool = True
     load_optimizer: bool = True
+    async_save: bool = False  # the step waits only for a host copy (checkpoints/async_save.py)
+    on_save_error: Literal["stop", "continue"] = "stop"  # e.g. disk full: stop or train on
 
 
 @dataclass
@@ -189,6 +195,7 @@ class Config:
     )
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiler: ProfilerArgs | None = None  # torch.profiler traces (profiling.py)
+    fault_tolerance: FaultToleranceArgs = field(default_factory=FaultToleranceArgs)
     # Nanotron features this project does not have: null, or refused with one line.
     lighteval: dict[str, Any] | None = None
     s3_upload: dict[str, Any] | None = None

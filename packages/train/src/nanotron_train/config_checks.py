@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from nanotron_models.config import ModelConfigError
 from nanotron_train.config_loader import ConfigError
 from nanotron_train.data.stages import HF_ONLY, NANOSET_ONLY, DatasetSpec
+from nanotron_train.fault_config import validate_fault
 from nanotron_train.perf_config import validate_perf
 
 if TYPE_CHECKING:
@@ -416,6 +417,7 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
             if not check.holds(cfg, stage):
                 _fail(check, source, cfg, stage, key=check.key.format(i=i))
     validate_perf(cfg, source)
+    validate_fault(cfg, source)
     return cfg
 
 

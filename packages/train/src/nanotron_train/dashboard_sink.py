@@ -132,3 +132,9 @@ def dashboard_client(
             "%s; not streaming to the dashboard", e
         )
         return None
+
+
+def checkpoint_run_id(checkpoints_path: str | None) -> str | None:
+    """The run id recorded in the latest checkpoint under `checkpoints_path` (or None)."""
+    info = resumed_from("latest", checkpoints_path, 0) if checkpoints_path else None
+    return info["run_id"] if info else None

@@ -3,10 +3,11 @@ both in one run (a stage of each), each stage with its own sequence length."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import time
 from typing import Any
-
-import torch.distributed as dist
 
 from nanotron_train.config import Config, DatasetStageArgs
 from nanotron_train.data import StageSpec, TrainData, load_tokenizer
@@ -100,6 +101,40 @@ def _real(cfg: Config, pc, stages: list[DatasetStageArgs], first: bool = False) 
         tokenizer_path=tokenizer_path(cfg),
         cache_dir=os.environ.get("NANOTRON_DATA_CACHE", ".cache/data"),
         model_vocab_size=cfg.model.model_config.vocab_size,
-        barrier=lambda: dist.barrier(),
+        barrier=BuilderBarrier(pc.rank == 0, _barrier_store(pc)),
         is_builder=pc.rank == 0,
     )
+
+
+_barriers = itertools.count()
+
+
+def _barrier_store(pc):
+    from nanotron_train.fault.coordination import shared_store
+
+    # One namespace per barrier: every rank builds its data in the same order.
+    return shared_store(f"data-cache{next(_barriers)}") if pc.world_size > 1 else None
+
+
+class BuilderBarrier:
+    """The data-cache barrier: the builder rank posts its outcome in the shared store; the
+    others poll for it (no collective, so no timeout however long tokenizing takes) and get
+    the builder's error at once if it failed."""
+
+    POLL_S = 0.2
+
+    def __init__(self, is_builder: bool, store=None) -> None:
+        self.is_builder, self.store = is_builder, store
+        self.calls = 0
+
+    def __call__(self, error: str | None) -> str | None:
+        if self.store is None:
+            return error
+        self.calls += 1  # one key per call: every rank calls once per cached dataset
+        key = f"outcome{self.calls}"
+        if self.is_builder:
+            self.store.set(key, json.dumps({"error": error}))
+            return error
+        while not self.store.check([key]):
+            time.sleep(self.POLL_S)
+        return json.loads(self.store.get(key))["error"]

@@ -190,13 +190,16 @@ class MetricsLogger:
         train_steps: int = 0,
         dashboard_url: str | None = None,
         run: RunInfo | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.stream, self.train_steps = stream, train_steps
         self._file: TextIO | None = None
         self._tb = self._wandb = None
         self._dashboard = None
         self._failure: str | None = None
-        self.run_id = new_run_id(run.project if run else "nanotron", run_name)
+        self.end_status = "finished"  # or "preempted" (set by the trainer)
+        # A restarted attempt (--resume auto) keeps the run id of the run it continues.
+        self.run_id = run_id or new_run_id(run.project if run else "nanotron", run_name)
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -273,7 +276,7 @@ class MetricsLogger:
             self._wandb = None
         if self._dashboard is not None:
             if self._failure is None:
-                self._dashboard.run_end("finished")
+                self._dashboard.run_end(self.end_status)
             else:
                 self._dashboard.run_end("failed", self._failure)
             self._dashboard.close()  # sends what is queued, a few seconds at most
@@ -281,7 +284,11 @@ class MetricsLogger:
 
 
 def build_metrics_logger(
-    cfg, pc, stream: TextIO | None = sys.stdout, resumed_step: int | None = None
+    cfg,
+    pc,
+    stream: TextIO | None = sys.stdout,
+    resumed_step: int | None = None,
+    run_id: str | None = None,
 ):
     """The logging rank's MetricsLogger for a Trainer (`cfg`: Config, `pc`: ParallelContext)."""
     lg, ck = cfg.logging, cfg.checkpoints
@@ -292,7 +299,10 @@ def build_metrics_logger(
         world_size=pc.world_size,
         topology={"dp": pc.dp_size, "tp": pc.tp_size, "pp": pc.pp_size},
         checkpoints_path=ck.checkpoints_path,
-        resumed_from=resumed_from(ck.resume_checkpoint_path, ck.checkpoints_path, resumed_step),
+        # An attempt that continues its own run (same id) is not "resumed from" another run.
+        resumed_from=None
+        if run_id
+        else resumed_from(ck.resume_checkpoint_path, ck.checkpoints_path, resumed_step),
     )
     return MetricsLogger(
         lg.metrics_file,
@@ -304,4 +314,5 @@ def build_metrics_logger(
         train_steps=cfg.tokens.train_steps,
         dashboard_url=lg.dashboard_url,
         run=run,
+        run_id=run_id,
     )

@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TextIO
 
 import torch
@@ -30,9 +31,12 @@ from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step
 from nanotron_parallel.tied import tied_parameters
 from nanotron_parallel.zero import all_gather_params, grad_norm_ranges, owned_ranges
 from nanotron_train.benchmark_csv import append_row, benchmark_row
-from nanotron_train.checkpoints import hooks as checkpoint_hooks
+from nanotron_train.checkpoints.hooks import Checkpointing
 from nanotron_train.config import Config
+from nanotron_train.dashboard_sink import checkpoint_run_id
 from nanotron_train.data_source import build_data
+from nanotron_train.fault.nonfinite import stop as nonfinite_stop
+from nanotron_train.fault.session import FaultTolerance
 from nanotron_train.log_levels import configure_logging, prints_step_lines
 from nanotron_train.lr_schedule import LRSchedule, build_lr_schedule
 from nanotron_train.metrics import (
@@ -49,6 +53,8 @@ from nanotron_train.perf import build_train_model
 from nanotron_train.profiling import StepProfiler
 from nanotron_train.sanity import SanityCheckError, check_dp_replicas
 
+BACKEND_TIMEOUT_MARGIN_S = 30.0
+
 
 @dataclass
 class TrainState:
@@ -61,6 +67,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     consumed_samples: int = 0
     consumed_tokens: int = 0
+    data_step_offset: int = 0  # steps whose data a rollback skipped (data step = step + this)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def rng_state(self) -> dict[str, Any]:
@@ -119,8 +126,12 @@ class Trainer:
         schedule = build_lr_schedule(opt.learning_rate_scheduler, cfg.tokens.train_steps)
         data = build_data(cfg, pc)
         self.state = TrainState(model, optimizer, schedule, data)
+        # Hang watchdog, preemption signals, non-finite policy, loss spikes (fault/).
+        self.fault = FaultTolerance(cfg, pc, step=lambda: self.state.step + 1)
+        self.trainer_id = self.fault.trainer_id
+        self.checkpoints = Checkpointing(self)
         # Removes unfinished saves; resumes when checkpoints.resume_checkpoint_path is set.
-        self.last_saved = checkpoint_hooks.on_start(self)
+        self.last_saved = self.checkpoints.on_start()
         self.counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
         # z-loss: the loss blocks of this rank (last stage) sum it per micro-batch on the device.
         self.z_loss_blocks = (
@@ -134,7 +145,9 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         if pc.rank == 0:  # stdout, metrics file, TensorBoard, wandb, dashboard
             shown = stream if prints_step_lines(level) else None
-            self.logger = build_metrics_logger(cfg, pc, shown, resumed_step=self.last_saved)
+            self.logger = build_metrics_logger(
+                cfg, pc, shown, resumed_step=self.last_saved, run_id=self._resumed_run_id()
+            )
             # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
             self.state.extra["run_id"] = self.logger.run_id
 
@@ -143,7 +156,7 @@ class Trainer:
         step = s.step + 1
         self.profiler.begin_step()
         t0 = time.perf_counter()
-        micro_batches = s.data.micro_batches(step)
+        micro_batches = s.data.micro_batches(step + s.data_step_offset)
         micro_batches = [{k: v.to(pc.device) for k, v in mb.items()} for mb in micro_batches]
         self.grads.zero_grad()
         result = run_pipeline_step(
@@ -156,22 +169,27 @@ class Trainer:
         self.grads.finish()  # gradients are now the dp mean (ZeRO-1 on NCCL: own chunks)
         self.tied.sync_gradients()  # sum each tied copy's gradient over first and last stage
         norm = global_grad_norm(grad_norm_ranges(self.grads, self.zero_stage), None, self.counts)
-        if cfg.optimizer.clip_grad is not None:
-            clip_grads(self.grads.params, norm, cfg.optimizer.clip_grad)
+        loss = self._global_mean_loss(result.loss)
+        z_loss = self._global_mean_z_loss(len(micro_batches)) if self.z_loss_blocks else None
         lr = s.lr_schedule(step)
-        s.optimizer.step(lr)
-        if self.zero_stage:
-            all_gather_params(self.grads)
+        # Both values are on the host already and equal on every rank: no extra sync.
+        action = self.fault.nonfinite.check(loss, norm)
+        if action == "stop":
+            raise nonfinite_stop(step, loss, norm, self.state.model.named_parameters(), pc)
+        if action == "ok":
+            if cfg.optimizer.clip_grad is not None:
+                clip_grads(self.grads.params, norm, cfg.optimizer.clip_grad)
+            s.optimizer.step(lr)
+            if self.zero_stage:
+                all_gather_params(self.grads)
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
             check_dp_replicas(self.named_params, pc.dp_group, pc.dp_size, step)
             if not self.tied.copies_equal():
                 raise SanityCheckError(f"step {step}: tied parameter copies disagree")
-        loss = self._global_mean_loss(result.loss)
-        z_loss = self._global_mean_z_loss(len(micro_batches)) if self.z_loss_blocks else None
         if pc.device.type == "cuda":
             torch.cuda.synchronize(pc.device)
         seconds = time.perf_counter() - t0
-        seq = cfg.sequence_length_at(step)  # data stages may change it
+        seq = cfg.sequence_length_at(step + s.data_step_offset)  # data stages may change it
         tokens = self.cfg.global_batch_size * seq
         s.step = step
         s.consumed_samples += cfg.global_batch_size
@@ -188,7 +206,7 @@ class Trainer:
         )
         if z_loss is not None:
             record["z_loss"] = z_loss  # lm_loss includes it, as in Nanotron
-        return record
+        return self.fault.annotate(record, action)
 
     def _global_mean_loss(self, last_stage_loss: float | None) -> float:
         """Mean over the global batch: the last stage's micro-batch mean, averaged over dp."""
@@ -212,21 +230,23 @@ class Trainer:
         records = []
         interval = self.cfg.logging.iteration_step_info_interval
         try:
-            initial = checkpoint_hooks.save_initial(self)  # checkpoints.save_initial_state
-            if initial is not None:
-                self.last_saved = 0
-                if self.logger is not None:
-                    self.logger.checkpoint(initial)
+            self._saved(self.checkpoints.save_initial())  # checkpoints.save_initial_state
             while self.state.step < self.cfg.tokens.train_steps:
                 rec = self.train_step()
                 records.append(rec)
                 if self.logger is not None and rec["step"] % interval == 0:
                     self.logger.log(rec)
-                saved = checkpoint_hooks.after_step(self, self.last_saved)
-                if saved is not None:
-                    self.last_saved = self.state.step
+                if rec.get("nonfinite") == "rollback":
+                    self.fault.rolled_back(self.state.step, self.checkpoints.rollback(), self.pc)
+                    continue
+                stop = self.fault.preemption.stop_now(self.state.step)
+                self._saved(self.checkpoints.after_step(force=stop))
+                if stop:
+                    self._saved(self.checkpoints.wait())
                     if self.logger is not None:
-                        self.logger.checkpoint(saved)
+                        self.logger.end_status = "preempted"
+                    break
+            self._saved(self.checkpoints.wait())
         except BaseException as exc:  # the dashboard shows the run as failed, with the error
             if self.logger is not None:
                 self.logger.fail(exc)
@@ -239,7 +259,21 @@ class Trainer:
             append_row(csv_path, benchmark_row(self.cfg, records, self.pc.world_size, local))
         return records
 
+    def _saved(self, folders) -> None:
+        for folder in folders:
+            self.last_saved = int(folder.name)
+            if self.logger is not None:
+                self.logger.checkpoint(folder)
+
+    def _resumed_run_id(self) -> str | None:
+        """`--resume auto` continues the run it resumes (a restarted attempt, not a new run)."""
+        ck = self.cfg.checkpoints
+        if ck.resume_checkpoint_path != "auto" or self.last_saved is None:
+            return None
+        return checkpoint_run_id(ck.checkpoints_path)
+
     def close(self) -> None:
+        self.fault.close()
         self.profiler.close()
         if self.logger is not None:
             self.logger.close()
@@ -258,7 +292,10 @@ def train(
     own = pc is None
     if pc is None:
         par = cfg.parallelism
-        pc = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp)
+        # The backend's own timeout backs up the watchdog's (fault/watchdog.py), which fires
+        # first and says who did not arrive.
+        backstop = timedelta(seconds=par.collective_timeout_s + BACKEND_TIMEOUT_MARGIN_S)
+        pc = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, timeout=backstop)
     try:
         return Trainer(cfg, pc, stream).train()
     finally:

@@ -1,46 +1,151 @@
-"""The two places the trainer calls checkpoints: at start (clean up, resume) and after a step."""
+"""Where the trainer meets checkpoints: start (clean up, resume), after a step, the end, a
+rollback. Saves are synchronous or asynchronous (`checkpoints.async_save`); a failed save (disk
+full, ...) is one line on every rank, then `checkpoints.on_save_error` stops or continues."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+from nanotron_train.checkpoints.async_save import AsyncCheckpointer
 from nanotron_train.checkpoints.errors import CheckpointError
+from nanotron_train.checkpoints.layout import LATEST_FILE
 from nanotron_train.checkpoints.load import load_checkpoint, resolve_checkpoint
 from nanotron_train.checkpoints.save import clean_leftovers, save_checkpoint
+from nanotron_train.fault.coordination import shared_store
+from nanotron_train.fault.errors import TrainingStopped
 
 
-def on_start(trainer) -> int | None:
-    """Remove unfinished saves (rank 0) and resume if configured; returns the resumed step."""
-    cfg, pc = trainer.cfg, trainer.pc
-    ck = cfg.checkpoints
-    if ck.checkpoints_path and pc.rank == 0:
-        clean_leftovers(Path(ck.checkpoints_path))
-    if not ck.resume_checkpoint_path:
+def resume_folder(resume: str | None, checkpoints_path: str | None) -> Path | None:
+    """The folder to resume from; `auto` gives None (a fresh start) when there is none yet."""
+    if not resume:
         return None
-    folder = resolve_checkpoint(ck.resume_checkpoint_path, ck.checkpoints_path)
-    meta = load_checkpoint(folder, trainer.state, cfg, pc, trainer.zero_stage)
-    _check_recorded_position(cfg, meta, folder)
-    if pc.rank == 0:
-        t = meta["topology"]
-        print(
-            f"resumed from {folder} at step {meta['step']} "
-            f"(saved with dp={t['dp']} tp={t['tp']} pp={t['pp']} zero_stage={t['zero_stage']})",
-            flush=True,
-        )
-    return int(meta["step"])
+    if (
+        resume == "auto"
+        and checkpoints_path
+        and not (Path(checkpoints_path) / LATEST_FILE).is_file()
+    ):
+        return None
+    return resolve_checkpoint(resume, checkpoints_path)
 
 
-def after_step(trainer, last_saved: int | None) -> Path | None:
-    """Save when the step is a multiple of checkpoint_interval, or the last one
-    (save_final_state); returns the new checkpoint folder or None. Collective."""
-    cfg, state = trainer.cfg, trainer.state
-    ck = cfg.checkpoints
-    if not ck.checkpoints_path or state.step == last_saved:
-        return None
-    final = state.step >= cfg.tokens.train_steps and ck.save_final_state
-    if state.step % ck.checkpoint_interval != 0 and not final:
-        return None
-    return save_checkpoint(ck.checkpoints_path, state, cfg, trainer.pc, trainer.zero_stage)
+class Checkpointing:
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        ck = trainer.cfg.checkpoints
+        self.ck = ck
+        self.last_saved: int | None = None  # the step of the last save started (or resumed)
+        self.writer = None
+        if ck.async_save and ck.checkpoints_path:
+            timeout = trainer.cfg.parallelism.collective_timeout_s
+            store = shared_store(f"ckpt{trainer.trainer_id}")
+            self.writer = AsyncCheckpointer(ck.checkpoints_path, trainer.pc, store, timeout)
+
+    def on_start(self) -> int | None:
+        """Remove unfinished saves (rank 0) and resume if configured; returns the resumed step."""
+        t, ck = self.trainer, self.ck
+        pc = t.pc
+        if ck.checkpoints_path and pc.rank == 0:
+            clean_leftovers(Path(ck.checkpoints_path))
+        folder = resume_folder(ck.resume_checkpoint_path, ck.checkpoints_path)
+        if folder is None:
+            if ck.resume_checkpoint_path == "auto" and pc.rank == 0:
+                print(f"--resume auto: no checkpoint in {ck.checkpoints_path}; starting fresh")
+            return None
+        meta = load_checkpoint(folder, t.state, t.cfg, pc, t.zero_stage)
+        _check_recorded_position(t.cfg, meta, folder)
+        if pc.rank == 0:
+            topo = meta["topology"]
+            print(
+                f"resumed from {folder} at step {meta['step']} (saved with dp={topo['dp']} "
+                f"tp={topo['tp']} pp={topo['pp']} zero_stage={topo['zero_stage']})",
+                flush=True,
+            )
+        self.last_saved = int(meta["step"])
+        return self.last_saved
+
+    def save_initial(self) -> list[Path]:
+        """checkpoints.save_initial_state: the state before the first step, as `<root>/0/`
+        (not when resuming). Collective."""
+        t = self.trainer
+        if not (self.ck.save_initial_state and self.ck.checkpoints_path) or t.state.step != 0:
+            return []
+        if self.ck.resume_checkpoint_path and self.last_saved is not None:
+            return []
+        return self.after_step(force=True)
+
+    def _due(self, force: bool) -> bool:
+        step = self.trainer.state.step
+        if not self.ck.checkpoints_path or step == self.last_saved:
+            return False
+        final = step >= self.trainer.cfg.tokens.train_steps and self.ck.save_final_state
+        return force or final or step % self.ck.checkpoint_interval == 0
+
+    def after_step(self, force: bool = False) -> list[Path]:
+        """Save when due (every checkpoint_interval steps, the last step, or `force`); returns
+        the checkpoints completed by this call. Collective."""
+        if not self._due(force):
+            return []
+        t = self.trainer
+        done = self.wait()  # never two saves at once
+        self.last_saved = t.state.step
+        if self.writer is not None:
+            self.writer.start(t.state, t.cfg, t.zero_stage)
+            return done
+        try:
+            folder = save_checkpoint(self.ck.checkpoints_path, t.state, t.cfg, t.pc, t.zero_stage)
+        except CheckpointError as exc:
+            self._failed(t.state.step, exc)
+            return done
+        return [*done, folder]
+
+    def wait(self) -> list[Path]:
+        """Wait for a background save; returns it when it completed. Collective."""
+        if self.writer is None or self.writer.pending is None:
+            return []
+        step = self.writer.pending
+        try:
+            return [self.writer.wait()]
+        except CheckpointError as exc:
+            self._failed(step, exc)
+            return []
+
+    def _failed(self, step: int, exc: CheckpointError) -> None:
+        root = Path(self.ck.checkpoints_path)
+        latest = root / LATEST_FILE
+        previous = latest.read_text().strip() if latest.is_file() else None
+        kept = f"{root / previous} stays latest" if previous else "there is no earlier checkpoint"
+        line = f"checkpoint of step {step} not saved: {exc}; {kept}"
+        if self.ck.on_save_error == "stop":
+            raise TrainingStopped(f"{line} (checkpoints.on_save_error: stop)") from None
+        if self.trainer.pc.rank == 0:
+            print(
+                f"warning: {line}; training continues (checkpoints.on_save_error: continue)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def rollback(self) -> int:
+        """Reload the last complete checkpoint, keeping the data position (the data of the
+        steps since is skipped); returns the step rolled back to. Collective."""
+        t = self.trainer
+        self.wait()
+        folder = resume_folder("latest", self.ck.checkpoints_path) if self._has_latest() else None
+        if folder is None:
+            raise TrainingStopped(
+                f"non-finite values at step {t.state.step} and no checkpoint to roll back to in "
+                f"{self.ck.checkpoints_path} (fault_tolerance.nonfinite_policy: rollback)"
+            )
+        s = t.state
+        data_state, served = s.data.state_dict(), s.step + s.data_step_offset
+        load_checkpoint(folder, s, t.cfg, t.pc, t.zero_stage)
+        s.data.load_state_dict(data_state)
+        s.data_step_offset = served - s.step  # the next step takes the data after the bad one
+        self.last_saved = s.step
+        return s.step
+
+    def _has_latest(self) -> bool:
+        return (Path(self.ck.checkpoints_path) / LATEST_FILE).is_file()
 
 
 def _check_recorded_position(cfg, meta: dict, folder: Path) -> None:
@@ -56,14 +161,3 @@ def _check_recorded_position(cfg, meta: dict, folder: Path) -> None:
                 f"general.{key}: the config says {want} but {folder} is at {have}; "
                 "set it to null or resume from the checkpoint it was saved with"
             )
-
-
-def save_initial(trainer) -> Path | None:
-    """checkpoints.save_initial_state: the state before the first step, as `<root>/0/`
-    (not when resuming). Collective."""
-    ck, state = trainer.cfg.checkpoints, trainer.state
-    if not (ck.save_initial_state and ck.checkpoints_path) or state.step != 0:
-        return None
-    if ck.resume_checkpoint_path:
-        return None
-    return save_checkpoint(ck.checkpoints_path, state, trainer.cfg, trainer.pc, trainer.zero_stage)

@@ -46,10 +46,10 @@ ARCH_KEYS = (
 
 def resolve_checkpoint(value: str, checkpoints_path: str | None) -> Path:
     """`latest`, a checkpoints root (uses its latest.txt) or one step folder -> the step folder."""
-    if value == "latest":
+    if value in ("latest", "auto"):
         if not checkpoints_path:
             raise CheckpointError(
-                "--resume latest needs checkpoints.checkpoints_path in the config"
+                f"--resume {value} needs checkpoints.checkpoints_path in the config"
             )
         path = Path(checkpoints_path)
     else:
@@ -150,6 +150,7 @@ def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
         state.lr_schedule = LRSchedule(**_json(folder, meta, "lr_schedule.json"))
     data = _json(folder, meta, "data_state.json")
     state.data.load_state_dict(data["data"])
+    state.data_step_offset = int(data.get("data_step_offset", 0))
     state.step = int(meta["step"])
     state.consumed_samples = int(meta["consumed_samples"])
     state.consumed_tokens = int(meta["consumed_tokens"])

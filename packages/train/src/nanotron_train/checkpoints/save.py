@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -124,71 +125,91 @@ def clean_leftovers(root: Path) -> None:
 
 
 def save_checkpoint(root: str | Path, state, cfg, pc, zero_stage: int) -> Path:
-    """Write `state` (a TrainState) as `<root>/<step>/`; collective over every rank."""
+    """Write `state` (a TrainState) as `<root>/<step>/`; collective over every rank.
+
+    On failure (disk full, permissions) every rank raises the same CheckpointError, the
+    unfinished folder is removed and latest.txt still names the previous checkpoint.
+    """
     root = Path(root)
     step = state.step
     tmp = root / f"{TMP_PREFIX}{step}"
+    try:
+        _save(root, tmp, snapshot(state, cfg, pc, zero_stage, copy=False), pc)
+    except CheckpointError:
+        if pc.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root / str(step)
+
+
+def _save(root: Path, tmp: Path, snap: Snapshot, pc) -> None:
     error = None
     if pc.rank == 0:
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)
-            for sub in ("model", "optimizer", "rng"):
-                (tmp / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            error = f"{tmp}: cannot create the checkpoint folder ({exc.strerror})"
+            error = f"{tmp}: cannot remove an old unfinished save ({exc.strerror})"
     _agree(pc, error)
     records: list[FileRecord] = []
     try:
-        records = _write_rank_files(tmp, state, cfg, pc, zero_stage)
+        records = write_snapshot(tmp, snap)
     except OSError as exc:
         error = f"{tmp}: writing the checkpoint failed ({exc})"
     _agree(pc, error)
     gathered: list[list[FileRecord] | None] = [None] * pc.world_size
     dist.all_gather_object(gathered, records, group=pc.world_group)
-    final = root / str(step)
     if pc.rank == 0:
-        try:
-            files = [r for rank_records in gathered for r in rank_records or []]
-            _seal(root, tmp, final, state, cfg, pc, zero_stage, files)
-        except OSError as exc:
-            error = f"{final}: sealing the checkpoint failed ({exc})"
+        files = [r for rank_records in gathered for r in rank_records or []]
+        error = seal_or_error(root, tmp, snap, files)
     _agree(pc, error)
-    return final
 
 
-def _write_rank_files(tmp: Path, state, cfg, pc, zero_stage: int) -> list[FileRecord]:
-    records = []
+@dataclass
+class Snapshot:
+    """What one rank writes for one checkpoint, taken at the end of a step.
+
+    `copy=True` (asynchronous saves) holds host copies of the tensors, so training may change
+    the live ones while a background thread writes these.
+    """
+
+    step: int
+    files: list[tuple[str, dict[str, torch.Tensor] | None, Any]]  # (path, tensors, meta|bytes)
+    seal: dict[str, Any]  # the metadata fields rank 0 writes when sealing
+    keep_last_n: int | None
+
+
+def _host(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
+    if not copy:
+        return tensors
+    return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+
+
+def snapshot(state, cfg, pc, zero_stage: int, copy: bool) -> Snapshot:
+    files: list[tuple[str, dict[str, torch.Tensor] | None, Any]] = []
     if pc.dp_rank == 0:
-        _slow_write()
         tensors, infos = model_tensors(state.model, pc)
         meta = {"params": infos, "pp_rank": pc.pp_rank, "tp_rank": pc.tp_rank}
-        records.append(save_tensors(tmp / model_file(pc.pp_rank, pc.tp_rank), tensors, meta, tmp))
+        files.append((model_file(pc.pp_rank, pc.tp_rank), _host(tensors, copy), meta))
     if zero_stage > 0 or pc.dp_rank == 0:
-        _slow_write()
         tensors, meta = optimizer_tensors(state.optimizer, pc)
-        path = tmp / optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_rank)
-        records.append(save_tensors(path, tensors, meta, tmp))
-    _slow_write()
-    records.append(write_durable(tmp / rng_file(pc.rank), [rng_bytes()], tmp))
+        path = optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_rank)
+        files.append((path, _host(tensors, copy), meta))
+    files.append((rng_file(pc.rank), None, rng_bytes()))
     if pc.rank == 0:
         schedule = dataclasses.asdict(state.lr_schedule)
-        records.append(
-            write_text_durable(tmp / "lr_schedule.json", json.dumps(schedule, indent=1), tmp)
-        )
-        data = {"data": state.data.state_dict(), "consumed_samples": state.consumed_samples}
-        records.append(write_text_durable(tmp / "data_state.json", json.dumps(data, indent=1), tmp))
+        files.append(("lr_schedule.json", None, json.dumps(schedule, indent=1).encode()))
+        data = {
+            "data": state.data.state_dict(),
+            "consumed_samples": state.consumed_samples,
+            "data_step_offset": state.data_step_offset,  # steps whose data a rollback skipped
+        }
+        files.append(("data_state.json", None, json.dumps(data, indent=1).encode()))
         raw = cfg.to_dict()  # Nanotron records the position in the saved config too
         raw["general"].update(step=state.step, consumed_train_samples=state.consumed_samples)
         text = yaml.safe_dump(raw, sort_keys=False)
-        records.append(write_text_durable(tmp / "config.yaml", text, tmp))
-    return records
-
-
-def _seal(root: Path, tmp: Path, final: Path, state, cfg, pc, zero_stage, files) -> None:
-    now = time.time()
-    meta = {
-        "format_version": FORMAT_VERSION,
+        files.append(("config.yaml", None, text.encode()))
+    seal = {
         "step": state.step,
         "consumed_samples": state.consumed_samples,
         "consumed_tokens": state.consumed_tokens,
@@ -198,24 +219,59 @@ def _seal(root: Path, tmp: Path, final: Path, state, cfg, pc, zero_stage, files)
             "pp": pc.pp_size,
             "zero_stage": zero_stage,
         },
-        "created": now,  # unix seconds (the dashboard reads a number); ISO text beside it
-        "created_iso": datetime.fromtimestamp(now, timezone.utc).isoformat(),
         "model_config": state.model.config.to_dict(),
         "run_id": getattr(state, "extra", {}).get("run_id"),  # set by the logging rank (seals)
+    }
+    return Snapshot(state.step, files, seal, cfg.checkpoints.keep_last_n)
+
+
+def write_snapshot(tmp: Path, snap: Snapshot) -> list[FileRecord]:
+    """This rank's files into `tmp` (each fsynced); raises OSError (e.g. disk full)."""
+    records = []
+    for rel, tensors, payload in snap.files:
+        path = tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _slow_write()
+        if tensors is not None:
+            records.append(save_tensors(path, tensors, payload, tmp))
+        else:
+            records.append(write_durable(path, [payload], tmp))
+    return records
+
+
+def seal_or_error(root: Path, tmp: Path, snap: Snapshot, files: list[FileRecord]) -> str | None:
+    """Rank 0: seal; returns the error line instead of raising (the caller spreads it)."""
+    final = root / str(snap.step)
+    try:
+        _seal(root, tmp, final, snap, files)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"{final}: sealing the checkpoint failed ({exc})"
+    return None
+
+
+def _seal(root: Path, tmp: Path, final: Path, snap: Snapshot, files) -> None:
+    now = time.time()
+    meta = {
+        "format_version": FORMAT_VERSION,
+        **snap.seal,
+        "created": now,  # unix seconds (the dashboard reads a number); ISO text beside it
+        "created_iso": datetime.fromtimestamp(now, timezone.utc).isoformat(),
         "files": sorted((r.to_dict() for r in files), key=lambda r: r["path"]),
     }
     for sub in ("model", "optimizer", "rng"):
-        fsync_dir(tmp / sub)
+        if (tmp / sub).is_dir():
+            fsync_dir(tmp / sub)
     write_text_durable(tmp / METADATA_FILE, json.dumps(meta, indent=1), tmp)
     fsync_dir(tmp)
-    old = root / f"{TMP_PREFIX}old-{state.step}"
+    old = root / f"{TMP_PREFIX}old-{snap.step}"
     if final.exists():  # the same step saved again (e.g. final save right after a resume)
         os.replace(final, old)
     os.replace(tmp, final)
     fsync_dir(root)
-    replace_text_atomic(root / LATEST_FILE, f"{state.step}\n")
+    replace_text_atomic(root / LATEST_FILE, f"{snap.step}\n")
     shutil.rmtree(old, ignore_errors=True)
-    keep = cfg.checkpoints.keep_last_n
+    keep = snap.keep_last_n
     if keep:
         for d in list_dirs(root)[:-keep]:
             if d != final:

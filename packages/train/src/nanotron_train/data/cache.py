@@ -2,7 +2,9 @@
 
 The folder name hashes everything the tokens depend on: each input file's path, size and
 modification time, the text column and the tokenizer's sha256. The builder tokenizes (the
-write is atomic), the other ranks wait on the barrier and then open the finished folder.
+write is atomic), the other ranks wait on the barrier and then open the finished folder. The
+barrier carries the builder's outcome: when building fails, the other ranks fail at once with
+the builder's message instead of waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -48,10 +50,14 @@ def cached_nanoset(
     cache_dir: str | os.PathLike,
     text_column: str = "text",
     is_builder: bool = True,
-    barrier: Callable[[], None] | None = None,
+    barrier: Callable[[str | None], str | None] | None = None,
     num_workers: int | None = None,
 ) -> Path:
-    """The Nanoset folder for a raw local dataset, building it on first use."""
+    """The Nanoset folder for a raw local dataset, building it on first use.
+
+    `barrier(error)`: the builder posts its outcome (None = built), every other rank waits for
+    it and gets the builder's error back (or None).
+    """
     if tokenizer_path is None:
         raise DataError(
             f"hf_dataset_or_datasets {inputs!r}: tokenizer.tokenizer_name_or_path is needed to "
@@ -60,11 +66,20 @@ def cached_nanoset(
     tok = load_tokenizer(tokenizer_path)
     folder = Path(cache_dir) / cache_key(inputs, text_column, tok.path)
     if is_builder and not (folder / METADATA_FILE).is_file():
-        tokenize_to_nanoset(
-            inputs, tok.path, folder, text_column=text_column, num_workers=num_workers
-        )
+        try:
+            tokenize_to_nanoset(
+                inputs, tok.path, folder, text_column=text_column, num_workers=num_workers
+            )
+        except Exception as exc:
+            if barrier is not None:  # the others stop waiting and fail with this message
+                barrier(
+                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, DataError) else str(exc)
+                )
+            raise
     if barrier is not None:
-        barrier()
+        error = barrier(None)
+        if error and not is_builder:
+            raise DataError(f"the rank building the data cache {folder} failed: {error}")
     elif not is_builder:  # no barrier given: poll for the builder's atomic rename
         deadline = time.monotonic() + WAIT_TIMEOUT_S
         while not (folder / METADATA_FILE).is_file():

@@ -1,0 +1,73 @@
+"""The fault-tolerance pieces one Trainer uses, built and torn down together."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from nanotron_train.fault.coordination import next_trainer_id, shared_store
+from nanotron_train.fault.nonfinite import NonFiniteGuard
+from nanotron_train.fault.preemption import Preemption
+from nanotron_train.fault.spikes import LossSpikeDetector
+from nanotron_train.fault.watchdog import HangWatchdog
+
+
+class FaultTolerance:
+    def __init__(self, cfg, pc, step) -> None:
+        """`step()` gives the step in progress (for messages)."""
+        ft = cfg.fault_tolerance
+        self.rank = pc.rank
+        self.trainer_id = next_trainer_id()
+        multi = pc.world_size > 1
+        self.preemption = Preemption(
+            pc.rank, shared_store(f"stop{self.trainer_id}") if multi else None
+        )
+        self.nonfinite = NonFiniteGuard(ft.nonfinite_policy)
+        self.spikes = LossSpikeDetector(ft.loss_spike_window, ft.loss_spike_zscore)
+        self.watchdog = HangWatchdog(
+            pc.rank,
+            pc.world_size,
+            cfg.parallelism.collective_timeout_s,
+            step,
+            ft.stack_dump_dir,
+            store=shared_store(f"hang{self.trainer_id}") if multi else None,
+        ).start()
+
+    def close(self) -> None:
+        self.watchdog.stop()
+        self.preemption.restore()
+
+    def annotate(self, record: dict[str, Any], action: str) -> dict[str, Any]:
+        """Add the non-finite outcome and a loss-spike z-score to the step's record (numbers
+        reach the dashboard as metrics), and say so on stdout once (rank 0)."""
+        step, loss = record["step"], record["lm_loss"]
+        if action != "ok":
+            record["nonfinite"] = action
+            if action == "skip":
+                record["skipped_steps"] = self.nonfinite.skipped
+            self._say(
+                f"warning: step {step}: non-finite lm_loss={loss} grad_norm={record['grad_norm']}"
+                + (
+                    f": optimizer step skipped ({self.nonfinite.skipped} so far)"
+                    if action == "skip"
+                    else ": rolling back"
+                )
+            )
+        elif self.nonfinite.skipped:
+            record["skipped_steps"] = self.nonfinite.skipped
+        z = self.spikes.observe(loss)
+        if z is not None:
+            record["loss_spike_z"] = z
+            self._say(f"warning: step {step}: loss spike: lm_loss={loss:.6g} (robust z={z:.1f})")
+        return record
+
+    def rolled_back(self, bad_step: int, to_step: int, pc) -> None:
+        self.nonfinite.rollbacks += 1
+        self._say(
+            f"warning: non-finite values at step {bad_step}: rolled back to the checkpoint of "
+            f"step {to_step}; the data of steps {to_step + 1}..{bad_step} is skipped"
+        )
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,129 @@
+"""Fault tolerance with real torchrun launches and real signals (issue 16).
+
+One tiny Llama under tp=2. The uninterrupted reference run is shared; the same run survives a
+SIGKILLed worker (torchrun --max-restarts, --resume auto) and a SIGTERM (preemption) and must
+log bitwise the reference's losses at every step, whichever attempt logged it.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+
+from tests.train.fault_helpers import (
+    Torchrun,
+    alive,
+    kill,
+    losses_by_step,
+    wait_step,
+    write_config,
+)
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    cfg = write_config(tmp, "ref", STEPS, interval=4)
+    run = Torchrun(cfg)
+    assert run.wait() == 0, run.output()[-4000:]
+    return losses_by_step(tmp / "ref.jsonl")
+
+
+def test_sigkill_restart_and_sigterm_preemption_continue_bitwise(tmp_path, reference):
+    cfg = write_config(tmp_path, "ft", STEPS, interval=4)
+    metrics, ck = tmp_path / "ft.jsonl", tmp_path / "ft-ck"
+    run = Torchrun(cfg, "--resume", "auto", restarts=3)
+    try:
+        first = run.wait_workers()
+        kill_at = random.Random().randint(3, 8)
+        wait_step(metrics, kill_at, run)
+        kill(first[1], signal.SIGKILL)  # a dead worker: torchrun restarts the group
+        second = run.wait_workers(exclude=set(first.values()))
+        seen = wait_step(metrics, 0, run)
+        # The restarted attempt resumed from the last checkpoint and trains on; now preempt
+        # it through rank 0 only: rank 1 must agree to stop after the same step.
+        wait_step(metrics, 14, run, after=seen)
+        kill(second[0], signal.SIGTERM)
+        assert run.wait() == 0, run.output()[-4000:]
+    finally:
+        run.kill_all()
+    out = run.output()
+    assert "SIGTERM received" in out and "resumed from" in out, out[-4000:]
+    assert "--resume auto: no checkpoint" in out  # the first attempt started fresh
+    logged = losses_by_step(metrics)
+    stopped = max(logged)
+    assert 14 <= stopped < STEPS, out[-4000:]
+    assert (ck / "latest.txt").read_text().strip() == str(stopped)  # saved at the preemption
+
+    again = Torchrun(cfg, "--resume", "auto")
+    assert again.wait() == 0, again.output()[-4000:]
+    assert f"resumed from {ck / str(stopped)} at step {stopped}" in again.output()
+    logged = losses_by_step(metrics)
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    replayed = [s for s, values in logged.items() if len(values) > 1]
+    assert replayed, "the SIGKILL should have made the restart log some steps again"
+    for step, values in logged.items():  # every attempt's value is the uninterrupted one
+        assert values == [reference[step][0]] * len(values), (step, values, reference[step])
+
+
+def test_sigstop_of_one_worker_fails_every_rank_naming_it(tmp_path):
+    timeout = 4
+    dumps = tmp_path / "stacks"
+    cfg = write_config(
+        tmp_path,
+        "hang",
+        100_000,
+        interval=100_000,
+        parallelism={"collective_timeout_s": timeout},
+        fault_tolerance={"stack_dump_dir": str(dumps)},
+    )
+    run = Torchrun(cfg)
+    try:
+        workers = run.wait_workers()
+        wait_step(tmp_path / "hang.jsonl", 3, run)
+        kill(workers[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while alive(workers[0]) and time.monotonic() - stopped_at < timeout + 60:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - stopped_at
+        assert not alive(workers[0]), "rank 0 still runs a minute after its peer stopped"
+        kill(workers[1], signal.SIGKILL)
+        assert run.wait() != 0
+    finally:
+        run.kill_all()
+    out = run.output()
+    assert elapsed < timeout + 30, (elapsed, out[-3000:])
+    lines = [line for line in out.splitlines() if "collective timeout at step" in line]
+    assert lines, out[-4000:]
+    line = lines[0]
+    assert "rank 0 waited" in line and "for rank 1 (no heartbeat" in line, line
+    assert any(f" in {phase} for " in line for phase in ("tp", "optimizer", "loss")), line
+    stacks = (dumps / "stacks-rank0.txt").read_text()
+    assert "Thread" in stacks and "nanotron-watchdog" not in stacks.splitlines()[0]
+    assert "File " in stacks and "nanotron_" in stacks
+
+
+def test_sigkill_of_torchrun_leaves_no_worker(tmp_path):
+    cfg = write_config(tmp_path, "orphan", 100_000, interval=100_000)
+    run = Torchrun(cfg)
+    try:
+        workers = run.wait_workers()
+        wait_step(tmp_path / "orphan.jsonl", 2, run)
+        run.proc.send_signal(signal.SIGKILL)
+        run.proc.wait()
+        killed_at = time.monotonic()
+        while any(alive(p) for p in workers.values()) and time.monotonic() - killed_at < 30:
+            time.sleep(0.1)
+        left = [p for p in workers.values() if alive(p)]
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for pid in workers.values():
+            kill(pid, signal.SIGKILL)
+    assert not left and elapsed < 10, (left, elapsed)
+    out = run.output()  # whichever noticed first: the parent watch or the store
+    assert "died; exiting" in out or "the launcher's store does not answer" in out, out[-3000:]
