@@ -130,8 +130,11 @@ class Trainer:
         self.fault = FaultTolerance(cfg, pc, step=lambda: self.state.step + 1)
         self.trainer_id = self.fault.trainer_id
         self.checkpoints = Checkpointing(self)
-        # Removes unfinished saves; resumes when checkpoints.resume_checkpoint_path is set.
-        self.last_saved = self.checkpoints.on_start()
+        try:  # Removes unfinished saves; resumes when checkpoints.resume_checkpoint_path is set.
+            self.last_saved = self.checkpoints.on_start()
+        except BaseException:
+            self.fault.close()  # signal handlers back, watchdog stopped
+            raise
         self.counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
         # z-loss: the loss blocks of this rank (last stage) sum it per micro-batch on the device.
         self.z_loss_blocks = (
