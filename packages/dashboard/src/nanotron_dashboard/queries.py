@@ -315,6 +315,10 @@ def metric_series(
             ok = tokens[0][pos] == steps
             x = tokens[1][pos][ok]
             steps, values = steps[ok], values[ok]
+        if x_axis != "step":  # refused at ingest; a database from before may still hold them
+            finite = np.isfinite(x)
+            if not finite.all():
+                x, steps, values = x[finite], steps[finite], values[finite]
         smooth = ema(values, smoothing) if smoothing > 0 else None
         idx = downsample(x, values, max_points)
         bad = np.flatnonzero(~np.isfinite(values))

@@ -131,6 +131,7 @@ class Writer:
                 if first is None:
                     return
                 batch = [first]
+                size = first[2]
                 stop = False
                 while len(batch) < self._max_batch:
                     try:
@@ -141,9 +142,14 @@ class Writer:
                         stop = True
                         break
                     batch.append(nxt)
-                with self._bytes_lock:
-                    self._bytes -= sum(i[2] for i in batch)
-                self._write_batch(conn, batch)
+                    size += nxt[2]
+                    if size >= self.max_bytes // 4:  # a batch is a fair share of the budget
+                        break
+                try:
+                    self._write_batch(conn, batch)
+                finally:  # counted until written: a batch in hand is memory too
+                    with self._bytes_lock:
+                        self._bytes -= size
                 if stop:
                     return
 
