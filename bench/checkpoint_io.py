@@ -11,6 +11,11 @@ moments) and takes one training step so the optimizer state exists. Then, altern
     vs reading that many bytes back from one file. Before every read the files' pages are
     dropped from the page cache (posix_fadvise DONTNEED), so both read from the disk.
 Prints GB/s of each and the two ratios checkpoint / plain (aim: >= 0.7).
+
+Then the training stall per save, `checkpoints.async_save` vs a synchronous save (aim: async
+<= 0.2 x sync): the sync stall is the whole save; the async stall is what the training thread
+waits for, the host copy of the state plus, at the next save `--steps-between` steps later,
+whatever of the previous background write is still unfinished.
 """
 
 from __future__ import annotations
@@ -86,11 +91,41 @@ def build(hidden: int, layers: int, root: Path):
     return trainer, cfg, pc
 
 
+def stalls(trainer, cfg, pc, root: Path, repeats: int, between: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds the training thread spends per save: sync, then async."""
+    from nanotron_train.checkpoints import save_checkpoint
+    from nanotron_train.checkpoints.async_save import AsyncCheckpointer
+    from nanotron_train.fault.coordination import shared_store
+
+    sync = []
+    for _ in range(repeats):
+        trainer.train_step()
+        t0 = time.perf_counter()
+        save_checkpoint(root / "sync", trainer.state, cfg, pc, trainer.zero_stage)
+        sync.append(time.perf_counter() - t0)
+    writer = AsyncCheckpointer(root / "async", pc, shared_store("bench-async"), 600.0)
+    stalled = []
+    for _ in range(repeats):
+        trainer.train_step()
+        t0 = time.perf_counter()
+        writer.start(trainer.state, cfg, trainer.zero_stage)  # the host copy
+        stall = time.perf_counter() - t0
+        for _ in range(between):
+            trainer.train_step()
+        t0 = time.perf_counter()
+        writer.wait()  # what the next save would wait for
+        stalled.append(stall + time.perf_counter() - t0)
+    return min(sync), min(stalled)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--steps-between", type=int, default=4, help="training steps between two async saves"
+    )
     parser.add_argument(
         "--dir", default=None, help="folder on the disk to measure (default: a temp dir)"
     )
@@ -125,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"load  {gbs['load']:.3f} GB/s   plain read        {gbs['read']:.3f} GB/s   ratio {gbs['load'] / gbs['read']:.2f}"
+        )
+        sync_stall, async_stall = stalls(trainer, cfg, pc, root, args.repeats, args.steps_between)
+        print(
+            f"stall per save: sync {sync_stall * 1e3:.0f} ms   async {async_stall * 1e3:.0f} ms   "
+            f"ratio async/sync {async_stall / sync_stall:.3f}"
         )
         trainer.close()
         pc.destroy()
