@@ -286,3 +286,18 @@ def test_downsample_and_ema_units():
     assert len(idx) <= 20 and idx[0] == 0 and idx[-1] == 99 and np.argmax(y) in idx
     s = ema(np.array([1.0, np.nan, 3.0]), 0.5)
     assert s.tolist() == pytest.approx([1.0, 1.0, (0.25 * 1 + 0.125 * 1 + 0.5 * 3) / 0.875])
+
+
+def test_restarted_launches_are_attempts_of_one_run_and_preempted_is_a_status(client):
+    start(client, "r1", attempt="launch-a", time=100.0)
+    start(client, "r1", attempt="launch-a", time=100.0)  # a replay of the same launch
+    end = {"type": "run_end", "run_id": "r1", "status": "preempted"}
+    assert client.post("/api/ingest", json=end).status_code == 200
+    assert client.get("/api/runs/r1").json()["status"] == "preempted"
+    assert [r["id"] for r in client.get("/api/runs?status=preempted").json()] == ["r1"]
+    start(client, "r1", attempt="launch-b", time=200.0)  # torchrun restart / --resume auto
+    run = client.get("/api/runs/r1").json()
+    assert run["status"] == "running" and run["attempts"] == [100.0, 200.0]
+    assert len(client.get("/api/runs").json()) == 1
+    bad = client.post("/api/ingest", json={**end, "status": "paused"})
+    assert bad.json()["accepted"] == 0 and "'preempted'" in bad.json()["errors"][0]["error"]

@@ -35,9 +35,9 @@ def write_config(tmp: Path, name: str, steps: int, interval: int = 5, **sections
 class Torchrun:
     """`torchrun --standalone --nproc_per_node=2 -m nanotron_train ...`, output to a file."""
 
-    def __init__(self, cfg: Path, *args: str, restarts: int = 0) -> None:
+    def __init__(self, cfg: Path, *args: str, restarts: int = 0, env: dict | None = None) -> None:
         self.log = cfg.with_suffix(f".{time.monotonic_ns()}.log")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
         cmd = [

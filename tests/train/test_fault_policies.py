@@ -220,3 +220,73 @@ def test_data_cache_builder_failure_reaches_the_waiting_rank_at_once(tmp_path):
     assert outcome["error"].startswith("the rank building the data cache ")
     assert outcome["error"].endswith(f"failed: {built.value}"), outcome["error"]
     assert torch.tensor(outcome["after"]).item() < 10
+
+
+def test_sigusr1_finishes_the_step_saves_and_resume_auto_continues_bitwise(tmp_path, capsys):
+    import signal
+
+    full, _, _ = train(config(tmp_path / "full", 6, interval=10))
+    ck = tmp_path / "ck"
+
+    class Usr1(Injector):
+        def _hook(self, module, args, out):
+            if self.current == 3:
+                signal.raise_signal(signal.SIGUSR1)  # as SLURM sends before its time limit
+            return out
+
+    cfg = config_from_dict(config(ck, 6, interval=10), "test")
+    with shared_default_group():
+        pc = ParallelContext(1, 1, 1)
+        try:
+            trainer = Trainer(cfg, pc, stream=io.StringIO())
+            Usr1(trainer, {})
+            cut = trainer.train()
+        finally:
+            pc.destroy()
+    assert "SIGUSR1 received" in capsys.readouterr().err
+    assert [r["step"] for r in cut] == [1, 2, 3]
+    assert (ck / "latest.txt").read_text().strip() == "3"  # saved although not due
+    resumed, _, _ = train(
+        config(ck, 6, interval=10, checkpoints={"resume_checkpoint_path": "auto"})
+    )
+    assert [r["lm_loss"] for r in cut + resumed] == [r["lm_loss"] for r in full]
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
+
+
+def test_async_save_killed_mid_write_keeps_the_previous_latest(tmp_path):
+    import os
+    import signal
+
+    from tests.train.test_checkpoint_crash import _start
+
+    ck = tmp_path / "ck"
+    raw = config(ck, 6, checkpoints={"async_save": True})
+    raw["logging"]["metrics_file"] = str(tmp_path / "metrics.jsonl")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    proc = _start(cfg, {"NANOTRON_TEST_CKPT_SLOW_WRITE_S": "0.2"})
+    shard = ck / ".tmp-4" / "model" / "pp0_tp0.safetensors"
+    deadline = time.monotonic() + 120
+    try:
+        while not shard.exists():  # the background write of step 4 has begun
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the save window never came"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert (ck / "latest.txt").read_text().strip() == "2"
+    assert not (ck / "4").exists() and (ck / ".tmp-4").is_dir()
+    verify_complete(ck / "2")
+    resumed = _start(cfg, {}, "--resume", "auto")
+    out, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, out
+    assert f"resumed from {ck / '2'} at step 2" in out and "removing unfinished" in out, out
+    assert (ck / "latest.txt").read_text().strip() == "6" and not (ck / ".tmp-4").exists()
+    logged: dict[int, list[float]] = {}
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        logged.setdefault(rec["step"], []).append(rec["lm_loss"])
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    assert all(len(set(v)) == 1 for v in logged.values()), logged  # re-run steps: same losses

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.dashboard.dashboard_helpers import start_dashboard
 from tests.train.fault_helpers import (
     Torchrun,
     alive,
@@ -37,10 +38,19 @@ def reference(tmp_path_factory):
 def test_sigkill_restart_and_sigterm_preemption_continue_bitwise(tmp_path, reference):
     cfg = write_config(tmp_path, "ft", STEPS, interval=4)
     metrics, ck = tmp_path / "ft.jsonl", tmp_path / "ft-ck"
-    run = Torchrun(cfg, "--resume", "auto", restarts=3)
+    dash = start_dashboard(tmp_path / "runs.db")
+    env = {"NANOTRON_DASHBOARD_URL": dash.url}
+    try:
+        _restart_and_preempt(cfg, metrics, ck, reference, env, dash)
+    finally:
+        dash.stop()
+
+
+def _restart_and_preempt(cfg, metrics, ck, reference, env, dash):
+    run = Torchrun(cfg, "--resume", "auto", restarts=3, env=env)
     try:
         first = run.wait_workers()
-        kill_at = random.Random().randint(3, 8)
+        kill_at = random.Random().randint(5, 10)  # after the checkpoint of step 4
         wait_step(metrics, kill_at, run)
         kill(first[1], signal.SIGKILL)  # a dead worker: torchrun restarts the group
         second = run.wait_workers(exclude=set(first.values()))
@@ -59,8 +69,10 @@ def test_sigkill_restart_and_sigterm_preemption_continue_bitwise(tmp_path, refer
     stopped = max(logged)
     assert 14 <= stopped < STEPS, out[-4000:]
     assert (ck / "latest.txt").read_text().strip() == str(stopped)  # saved at the preemption
+    (only,) = dash.get("/api/runs")  # the restart continued the run: one run
+    assert only["status"] == "preempted", only
 
-    again = Torchrun(cfg, "--resume", "auto")
+    again = Torchrun(cfg, "--resume", "auto", env=env)
     assert again.wait() == 0, again.output()[-4000:]
     assert f"resumed from {ck / str(stopped)} at step {stopped}" in again.output()
     logged = losses_by_step(metrics)
@@ -69,6 +81,10 @@ def test_sigkill_restart_and_sigterm_preemption_continue_bitwise(tmp_path, refer
     assert replayed, "the SIGKILL should have made the restart log some steps again"
     for step, values in logged.items():  # every attempt's value is the uninterrupted one
         assert values == [reference[step][0]] * len(values), (step, values, reference[step])
+    (only,) = dash.get("/api/runs")
+    run_page = dash.get(f"/api/runs/{only['id']}")
+    assert run_page["status"] == "finished" and len(run_page["attempts"]) == 3, run_page
+    assert run_page["step"] == STEPS
 
 
 def test_sigstop_of_one_worker_fails_every_rank_naming_it(tmp_path):

@@ -70,7 +70,7 @@ def session(request: Request) -> dict[str, Any]:
 def runs(
     request: Request,
     project: str | None = None,
-    status: Literal["running", "finished", "failed", "stalled"] | None = None,
+    status: Literal["running", "finished", "failed", "preempted", "stalled"] | None = None,
     name: str | None = None,
     ids: str | None = Query(None, description="comma-separated run ids (at most 1000)"),
     limit: int = Query(100, ge=1, le=1000),

@@ -114,6 +114,16 @@ run_nonfinite = Table(
     Column("name", String, nullable=False),
 )
 
+# One row per launch of a run (a restart under torchrun --max-restarts, or a relaunch with
+# --resume auto, continues the same run id): the run page shows the attempts. A new table too.
+run_attempts = Table(
+    "run_attempts",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("attempt", String, primary_key=True),  # the trainer's token for one launch
+    Column("started", Float, nullable=False),
+)
+
 checkpoints = Table(
     "checkpoints",
     metadata,

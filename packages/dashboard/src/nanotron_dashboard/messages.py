@@ -109,6 +109,8 @@ class RunStart(_Msg):
     cwd: PathText | None = None
     checkpoints_path: PathText | None = None
     resumed_from: ResumedFrom | None = None
+    # One token per launch: a run continued by a restarted launch has several attempts.
+    attempt: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
     time: Finite | None = None
 
 
@@ -150,7 +152,7 @@ class Heartbeat(_Msg):
 
 class RunEnd(_Msg):
     type: Literal["run_end"]
-    status: Literal["finished", "failed"]
+    status: Literal["finished", "failed", "preempted"]
     error: Annotated[str, StringConstraints(max_length=100_000)] | None = None
     time: Finite | None = None
 

@@ -20,7 +20,7 @@ from .errors import DashboardError
 from .messages import json_float
 from .series import SeriesCache, downsample, ema
 
-STATUSES = ("running", "finished", "failed", "stalled")
+STATUSES = ("running", "finished", "failed", "preempted", "stalled")
 
 
 class NotFound(DashboardError):
@@ -174,8 +174,16 @@ def get_run(conn: Connection, run_id: str, stall_s: float) -> dict[str, Any]:
             text("SELECT id FROM runs WHERE resumed_from_run=:id"), {"id": run_id}
         )
     ]
+    attempts = [
+        r[0]
+        for r in conn.execute(
+            text("SELECT started FROM run_attempts WHERE run_pk=:pk ORDER BY started"),
+            {"pk": row.pk},
+        )
+    ]
     return {
         **summary,
+        "attempts": attempts,  # start times of the launches that continued this run
         "config": json.loads(row.config),
         "topology": json.loads(row.topology),
         "command": json.loads(row.command),

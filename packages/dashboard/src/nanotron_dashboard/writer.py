@@ -404,6 +404,14 @@ class Writer:
             params,
         )
         pk = self._pk(conn, m.run_id, now)
+        if m.attempt:  # a replayed run_start repeats its launch's token: counted once
+            conn.execute(
+                text(
+                    "INSERT INTO run_attempts(run_pk, attempt, started) VALUES (:pk, :a, :t) "
+                    "ON CONFLICT DO NOTHING"
+                ),
+                {"pk": pk, "a": m.attempt, "t": m.time or now},
+            )
         row = conn.execute(text("SELECT step FROM runs WHERE pk=:pk"), {"pk": pk}).first()
         last = row[0] if row and row[0] is not None else None
         return {"ok": True, "type": "run_start", "run_id": m.run_id, "last_step": last}

@@ -105,6 +105,7 @@ class DashboardClient:
         cwd: str,
         checkpoints_path: str | None,
         resumed_from: dict | None = None,
+        attempt: str | None = None,
     ) -> None:
         msg = {
             "type": "run_start",
@@ -119,6 +120,7 @@ class DashboardClient:
             "cwd": cwd,
             "checkpoints_path": checkpoints_path,
             "resumed_from": resumed_from,
+            "attempt": attempt,  # this launch; a restarted one continuing the run sends another
             "time": time.time(),
         }
         with self._cv:

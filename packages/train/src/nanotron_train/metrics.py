@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import resource
+import secrets
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -233,6 +234,7 @@ class MetricsLogger:
                 cwd=run.cwd,
                 checkpoints_path=run.checkpoints_path,
                 resumed_from=run.resumed_from,
+                attempt=secrets.token_hex(8),
             )
 
     def log(self, rec: dict[str, Any]) -> None:

@@ -178,7 +178,8 @@
     state.started = run.started;
     document.title = "nanotron: " + (run.name || run.id);
     $("run-name").textContent = run.name || run.id;
-    $("run-status").replaceChildren(NT.badge(run.status), run.nonfinite ? NT.nanBadge(run.nonfinite) : "");
+    $("run-status").replaceChildren(NT.badge(run.status), run.nonfinite ? NT.nanBadge(run.nonfinite) : "",
+      run.attempts && run.attempts.length > 1 ? NT.el("span", { id: "run-attempts" }, " " + run.attempts.length + " attempts") : "");
     const before = state.run_names || "";
     state.run_names = run.metric_names.join(",");
     if (before !== state.run_names) buildPicker(run.metric_names);
