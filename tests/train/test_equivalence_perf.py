@@ -32,7 +32,8 @@ def perf_config(layout: dict) -> dict:
     par["pp_virtual_stages"] = layout.get("v", 1)
     if layout.get("profile"):
         cfg["profiler"] = {"profiler_export_path": layout["profile"], "wait": 1, "warmup": 1,
-                           "active": 1, "repeat": 1, "export_chrome_trace": True}  # fmt: skip
+                           "active": 1, "repeat": 1, "export_chrome_trace": True,
+                           "skip_first": 0, "with_stack": False}  # fmt: skip
     if layout.get("bf16"):
         cfg["model"]["dtype"] = "bfloat16"
         cfg["optimizer"]["accumulate_grad_in_fp32"] = True

@@ -124,6 +124,16 @@ def test_example_loads_unchanged_with_nanotron_meanings(monkeypatch):
     assert [s.sequence_length for s in cfg.data_stages] == [256, 256]
     assert cfg.data_stages[1].data.dataset.hf_dataset_splits == ["train"]
     assert cfg.optimizer.weight_decay_exclude_named_params == []
+    flat = lambda d, p="": [  # noqa: E731
+        (k2, v2) for k, v in d.items()
+        for k2, v2 in (flat(v, f"{p}{k}.") if isinstance(v, dict) else [(f"{p}{k}", v)])
+    ]  # fmt: skip
+    ours = dict(flat(cfg.to_dict()))
+    theirs = example()
+    theirs["data_stages"] = {}  # lists: checked above
+    for key, value in flat(theirs):  # every scalar key of the YAML reached the config as given
+        if key != "general.run":
+            assert ours[key] == (["train"] if key.endswith("splits") else value), key
     # Nanotron's defaults where a key is left out
     data = example()
     del data["model"]["dtype"], data["parallelism"]["pp_engine"]
@@ -465,3 +475,47 @@ def test_sanity_checks_catch_diverged_dp_replicas():
     for steps, message in run_distributed(_sanity_run, 2, 0, timeout=120):
         assert steps == 2
         assert message == "step 3: dp replicas disagree on decoder.1.mlp.down.weight"
+
+
+def test_num_loading_workers_prefetch_same_batches_and_position(tmp_path):
+    """Prefetching (Nanotron's default: 1 worker) changes nothing but timing: the same losses
+    as without, and a checkpoint taken while a step is prefetched resumes exactly."""
+    from nanotron_train.data.testing import make_id_nanoset
+
+    nanoset = make_id_nanoset(tmp_path / "ns", [50] * 20, low=1, high=60, vocab_size=64)
+    runs = {}
+    for workers in (0, 3):
+        data = _stages_config(tmp_path / f"w{workers}", nanoset, 6)
+        for stage in data["data_stages"]:
+            stage["data"]["num_loading_workers"] = workers
+        tr = _trainer(data)
+        assert type(tr.state.data).__name__ == ("Prefetched" if workers else "StagedData")
+        runs[workers] = [r["lm_loss"] for r in tr.train()]
+    assert runs[0] == runs[3]
+
+
+def test_launcher_user_errors_are_one_line_and_status_2(tmp_path, capsys):
+    """Under `python -m nanotron_train.launch` (torchrun inside) a config error is caught
+    before any process starts, and a data error in the workers is still one line, status 2."""
+    import os
+    import subprocess
+    import sys
+
+    from nanotron_train.launch import main as launch
+
+    data = tiny_config()
+    data["parallelism"] = {"dp": 2}
+    data["data_stages"][0]["data"]["dataset"] = {"dataset_folder": str(tmp_path / "missing")}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert launch(["--standalone", "--nproc_per_node=4", "--config-file", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {path}: parallelism: dp*tp*pp = 2*1*1 = 2 but the world size is 4\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanotron_train.launch", "--standalone", "--nproc_per_node=2",
+         "--config-file", str(path)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: {tmp_path / 'missing'}: Nanoset folder does not exist\n"

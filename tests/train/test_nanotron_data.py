@@ -250,3 +250,43 @@ def test_from_nanotron_imports_weights_step_and_config(tmp_path):
         convert_main(["from-nanotron", "--out", str(out)])
     bad = convert_main(["from-nanotron", "--nanotron-path", str(tmp_path), "--out", str(out)])
     assert bad == 2
+
+
+def test_hf_dataset_keys_splits_and_overwrite_cache(tmp_path):
+    import datasets
+
+    from nanotron_train.data import load_tokenizer
+    from nanotron_train.data.testing import make_tokenizer, tiny_texts
+
+    train, val = tiny_texts(30, seed=1), tiny_texts(30, seed=2)
+    folder = tmp_path / "hf"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": train}),
+         "validation": datasets.Dataset.from_dict({"text": val})}
+    ).save_to_disk(str(folder))  # fmt: skip
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    tok = load_tokenizer(str(tok_dir))
+
+    def stream(**keys) -> list[int]:
+        spec = DatasetSpec(hf_dataset_or_datasets=str(folder), **keys)
+        td = TrainData([StageSpec("s", 1, spec, 0)], sequence_length=SEQ, micro_batch_size=1,
+                       batch_accumulation_per_replica=1, dp_rank=0, dp_size=1,
+                       tokenizer_path=str(tok_dir), cache_dir=str(tmp_path / "cache"),
+                       model_vocab_size=tok.vocab_size)  # fmt: skip
+        return td._stages[0].nanosets[0].tokens.tolist()
+
+    def expected(texts: list[str]) -> list[int]:
+        return [t for text in texts for t in [*tok.encode(text), tok.eos_token_id]]
+
+    assert stream() == expected(train)  # Nanotron's default split: train
+    assert stream(hf_dataset_splits="validation") == expected(val)
+    assert stream(
+        hf_dataset_splits=["validation", "train"], dataset_processing_num_proc_per_process=2
+    ) == expected(val + train)
+    cached = sorted((tmp_path / "cache").iterdir())
+    stamp = [(p / "metadata.json").stat().st_mtime_ns for p in cached]
+    stream(dataset_overwrite_cache=True)
+    assert [(p / "metadata.json").stat().st_mtime_ns for p in cached] != stamp  # rebuilt
+    stream()
+    with pytest.raises(DataError, match="no split 'test'"):
+        stream(hf_dataset_splits="test")

@@ -181,6 +181,15 @@ class LlamaConfig:
                 "model_config.rope_interleaved=True is not supported (we use the rotate-half "
                 "layout of Hugging Face)"
             )
+        if not self.is_llama_config:
+            raise ModelConfigError(
+                "model_config.is_llama_config is false: only Llama models are supported here"
+            )
+        if not self.use_cache:
+            raise ModelConfigError(
+                "model_config.use_cache: false asks for generation without a KV cache, which "
+                "this project does not have; set it to true"
+            )
         if self.pretraining_tp != 1:
             raise ModelConfigError(
                 f"model_config.pretraining_tp must be 1, got {self.pretraining_tp!r}"

@@ -1,7 +1,8 @@
 """`python -m nanotron_train --config-file X.yaml [--override section.key=value ...]`.
 
 Also under torchrun. A user error (bad config, data, layout) prints one line naming the key
-and the file, from rank 0 only, and exits with status 2; no traceback.
+and the file, from rank 0 only, and exits with status 2; no traceback. (torchrun itself then
+reports the failure and exits with 1: `python -m nanotron_train.launch` does not.)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from nanotron_train.config import load_config
 from nanotron_train.fault.errors import TrainingStopped
@@ -20,6 +22,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m nanotron_train", description=__doc__.split("\n")[0]
     )
+    add_trainer_args(parser)
+    return parser.parse_args(argv)
+
+
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """--override values, and --resume as checkpoints.resume_checkpoint_path."""
+    overrides = list(args.override)
+    if args.resume:  # quoted so that YAML keeps a string
+        overrides.append(f"checkpoints.resume_checkpoint_path={json.dumps(args.resume)}")
+    return overrides
+
+
+def add_trainer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-file", required=True, help="the YAML training config")
     parser.add_argument(
         "--override",
@@ -35,7 +50,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "checkpoints_path; `auto`: the latest complete one if there is one, else start fresh "
         "(for torchrun --max-restarts)",
     )
-    return parser.parse_args(argv)
+
+
+QUIET_ENV = "NANOTRON_LAUNCHER"  # set by nanotron_train.launch for its workers
+
+
+def _report(line: str, rank: int) -> None:
+    """Rank 0 prints the line; under nanotron_train.launch every rank hands it to the launcher
+    in torchrun's error file instead (the first to fail is the one shown)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(QUIET_ENV) and error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    elif rank == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     watch_launcher()  # a torchrun worker exits when torchrun dies (fault/launcher.py)
     try:
-        overrides = list(args.override)
-        if args.resume:  # same as checkpoints.resume_checkpoint_path, quoted so YAML keeps a string
-            overrides.append(f"checkpoints.resume_checkpoint_path={json.dumps(args.resume)}")
-        cfg = load_config(args.config_file, overrides, world_size=world_size)
+        cfg = load_config(args.config_file, overrides_of(args), world_size=world_size)
         from nanotron_train.metrics import check_optional_sinks
         from nanotron_train.trainer import train
 
@@ -55,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
         train(cfg)
     except ValueError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        _report(f"error: {exc}", rank)
         return 2
     except TrainingStopped as exc:  # a policy stopped the run: the same line on every rank
         if rank == 0:

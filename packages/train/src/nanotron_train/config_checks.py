@@ -37,14 +37,28 @@ def value(obj: Any, path: str) -> Any:
     return obj
 
 
-def at_least(path: str, low: float) -> Check:
+def at_least(path: str, low: float, nullable: bool = False, strict: bool = False) -> Check:
+    """value >= low (> low when strict); null allowed when nullable."""
+
+    def holds(c) -> bool:
+        v = value(c, path)
+        return (nullable and v is None) or (v is not None and (v > low if strict else v >= low))
+
+    bound = f"{'>' if strict else '>='} {low}{' or null' if nullable else ''}"
+    return Check(path, holds, lambda c: f"must be {bound}, got {value(c, path)}")
+
+
+def positive(path: str, nullable: bool = False) -> Check:
+    return at_least(path, 0, nullable, strict=True)
+
+
+def below_one(path: str) -> Check:
+    """An Adam beta: in [0, 1) (or null: the default)."""
     return Check(
-        path, lambda c: value(c, path) >= low, lambda c: f"must be >= {low}, got {value(c, path)}"
+        path,
+        lambda c: value(c, path) is None or 0 <= value(c, path) < 1,
+        lambda c: f"must be in [0, 1), got {value(c, path)}",
     )
-
-
-def positive(path: str) -> Check:
-    return Check(path, lambda c: value(c, path) > 0, lambda c: f"must be > 0, got {value(c, path)}")
 
 
 def refused(path: str, allowed: Callable[[Any], bool], feature: str) -> Check:
@@ -169,18 +183,10 @@ CHECKS: tuple[Check, ...] = (
         lambda c: _regex_error(c.optimizer.weight_decay_exclude_named_params) is None,
         lambda c: _regex_error(c.optimizer.weight_decay_exclude_named_params),
     ),
-    Check(
-        "optimizer.clip_grad",
-        lambda c: c.optimizer.clip_grad is None or c.optimizer.clip_grad > 0,
-        "must be > 0 or null",
-    ),
+    positive("optimizer.clip_grad", nullable=True),
     positive("optimizer.learning_rate_scheduler.learning_rate"),
     at_least("optimizer.learning_rate_scheduler.lr_warmup_steps", 0),
-    Check(
-        "optimizer.learning_rate_scheduler.lr_decay_steps",
-        lambda c: (c.optimizer.learning_rate_scheduler.lr_decay_steps or 1) >= 1,
-        "must be >= 1 or null",
-    ),
+    at_least("optimizer.learning_rate_scheduler.lr_decay_steps", 1, nullable=True),
     Check(
         "optimizer.optimizer_factory",
         lambda c: (
@@ -189,21 +195,9 @@ CHECKS: tuple[Check, ...] = (
         ),
         f"name: sgd takes none of {', '.join(_ADAM_KEYS)} (they are AdamW's)",
     ),
-    Check(
-        "optimizer.optimizer_factory.adam_beta1",
-        lambda c: 0 <= (c.optimizer.optimizer_factory.adam_beta1 or 0) < 1,
-        "must be in [0, 1)",
-    ),
-    Check(
-        "optimizer.optimizer_factory.adam_beta2",
-        lambda c: 0 <= (c.optimizer.optimizer_factory.adam_beta2 or 0) < 1,
-        "must be in [0, 1)",
-    ),
-    Check(
-        "optimizer.optimizer_factory.adam_eps",
-        lambda c: (c.optimizer.optimizer_factory.adam_eps or 1.0) > 0,
-        "must be > 0",
-    ),
+    below_one("optimizer.optimizer_factory.adam_beta1"),
+    below_one("optimizer.optimizer_factory.adam_beta2"),
+    positive("optimizer.optimizer_factory.adam_eps", nullable=True),
     # checkpoints
     at_least("checkpoints.checkpoint_interval", 1),
     refused("checkpoints.checkpoints_path", lambda v: not _is_s3(v), "checkpoints on S3"),
@@ -213,11 +207,7 @@ CHECKS: tuple[Check, ...] = (
         lambda c: not c.checkpoints.save_initial_state or bool(c.checkpoints.checkpoints_path),
         "needs checkpoints.checkpoints_path",
     ),
-    Check(
-        "checkpoints.keep_last_n",
-        lambda c: c.checkpoints.keep_last_n is None or c.checkpoints.keep_last_n >= 1,
-        "must be >= 1 or null",
-    ),
+    at_least("checkpoints.keep_last_n", 1, nullable=True),
     # data stages (each stage: STAGE_CHECKS)
     Check("data_stages", lambda c: len(c.data_stages) >= 1, "needs at least one stage"),
     Check(
@@ -381,24 +371,6 @@ STAGE_CHECKS: tuple[Check, ...] = (
 )
 
 
-def _not_yet(key: str, holds: Callable[..., bool]) -> Check:
-    return Check(key, holds, "is not wired yet in this version: leave it at its default")
-
-
-# Keys whose non-default values are being wired (issue 14); each row goes when its value works.
-NOT_YET: tuple[Check, ...] = ()
-NOT_YET_STAGE: tuple[Check, ...] = (
-    _not_yet(
-        "data_stages.{i}.data.dataset",
-        lambda c, s: (
-            True
-            and _dataset(s).hf_dataset_splits in (None, ["train"])
-            and not _dataset(s).dataset_overwrite_cache
-        ),
-    ),
-)
-
-
 def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
     """Run every check; the first failure is a ConfigError naming its key and `source`."""
     par = cfg.parallelism
@@ -409,11 +381,11 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
             f"size is {world_size}",
             source,
         )
-    for check in (*CHECKS, *NOT_YET):
+    for check in CHECKS:
         if not check.holds(cfg):
             _fail(check, source, cfg)
     for i, stage in enumerate(cfg.data_stages):
-        for check in (*STAGE_CHECKS, *NOT_YET_STAGE):
+        for check in STAGE_CHECKS:
             if not check.holds(cfg, stage):
                 _fail(check, source, cfg, stage, key=check.key.format(i=i))
     validate_perf(cfg, source)

@@ -7,6 +7,8 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from nanotron_train.config import Config, DatasetStageArgs
@@ -40,8 +42,69 @@ class StagedData:
             source.load_state_dict(part)
 
 
+class Prefetched:
+    """Nanotron's `num_loading_workers`: a background thread prepares the micro-batches of the
+    next steps (as many steps ahead as the step's stage has workers) while the current one
+    trains. The batches are the same as without it; `state_dict` is the position after the
+    last step served, not after what was prefetched."""
+
+    def __init__(self, source: Any, workers_at: Callable[[int], int]) -> None:
+        self.source, self.workers_at = source, workers_at
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
+        self.pending: dict[int, Future] = {}
+        self.state = source.state_dict()
+
+    def _load(self, step: int) -> tuple[list[dict], dict]:
+        batches = self.source.micro_batches(step)
+        return batches, self.source.state_dict()
+
+    def micro_batches(self, step: int) -> list[dict]:
+        if step in self.pending:
+            batches, self.state = self.pending.pop(step).result()
+        else:  # nothing prefetched for it (the first step, or after a jump): from the position
+            if self.pending:
+                self._drain()
+                self.source.load_state_dict(self.state)
+            batches, self.state = self._load(step)
+        for ahead in range(step + 1, step + 1 + self.workers_at(step + 1)):
+            if ahead not in self.pending:
+                self.pending[ahead] = self.pool.submit(self._load, ahead)
+        return batches
+
+    def _drain(self) -> None:
+        for future in self.pending.values():
+            future.cancel() or future.exception()  # wait for the one already running
+        self.pending.clear()
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._drain()
+        self.source.load_state_dict(state)
+        self.state = self.source.state_dict()
+
+    def close(self) -> None:
+        self._drain()
+        self.pool.shutdown(wait=True)
+
+
 def build_data(cfg: Config, pc) -> Any:
-    """This dp rank's data: `micro_batches(step)`, `state_dict()`, `load_state_dict()`."""
+    """This dp rank's data: `micro_batches(step)`, `state_dict()`, `load_state_dict()`,
+    prefetched in a background thread when data.num_loading_workers > 0."""
+    source = _build_source(cfg, pc)
+    stages = cfg.data_stages
+
+    def workers_at(step: int) -> int:
+        started = [s for s in stages if s.start_training_step <= step] or stages[:1]
+        return started[-1].data.num_loading_workers
+
+    if all(s.data.num_loading_workers == 0 for s in stages):
+        return source
+    return Prefetched(source, workers_at)
+
+
+def _build_source(cfg: Config, pc) -> Any:
     stages = cfg.data_stages
     synthetic = [s.data.dataset is None for s in stages]
     if all(synthetic) and len(stages) == 1:

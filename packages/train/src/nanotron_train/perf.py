@@ -8,6 +8,9 @@ v model chunks of the interleaved 1F1B engine.
   every tp rank recomputes the same layer in the same order, so the collectives still match.
 - `parallelism.tp_linear_async_communication` (REDUCE_SCATTER only): the tp linears switch to
   the overlapped autograd functions of `nanotron_parallel.tensor_parallel.async_linear`.
+- `parallelism.tp_recompute_allgather` (REDUCE_SCATTER, Nanotron's default true): the
+  column-parallel linears keep their sequence-sharded input and all-gather it again in the
+  backward (`tensor_parallel.gather_recompute`) instead of keeping the gathered one.
 - `model.compile`: `torch.compile` per decoder layer. On the CPU it rarely pays (tiny kernels,
   long compile times); it is meant for GPUs.
 
@@ -69,6 +72,10 @@ def apply_perf_options(stage: nn.Module, cfg: Config) -> nn.Module:
             enable_recompute(layer)
     if par.tp_linear_async_communication:
         enable_async_tp(stage)
+    if par.tp_mode == "REDUCE_SCATTER" and par.tp_recompute_allgather:
+        for module in stage.modules():  # keep input shards, gather again in the backward
+            if isinstance(module, ColumnParallelLinear):
+                module.recompute_allgather = True
     return stage
 
 

@@ -28,10 +28,10 @@ class ProfilerArgs:
     warmup: int = 1
     active: int = 1
     repeat: int = 1
-    skip_first: int = 0
+    skip_first: int = 3  # Nanotron's defaults
     record_shapes: bool = False
     profile_memory: bool = False
-    with_stack: bool = False
+    with_stack: bool = True
     export_chrome_trace: bool = False
 
 

@@ -278,6 +278,8 @@ class Trainer:
     def close(self) -> None:
         self.fault.close()
         self.profiler.close()
+        if hasattr(self.state.data, "close"):  # the prefetch thread (num_loading_workers)
+            self.state.data.close()
         if self.logger is not None:
             self.logger.close()
             self.logger = None

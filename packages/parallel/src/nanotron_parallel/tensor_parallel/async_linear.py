@@ -56,7 +56,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
     """y = all_gather_seq(x) W^T + b, gathering while computing."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, recompute_allgather=False):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         with record_function("tp.all_gather.async"):
             full, handle = _start_all_gather(x, group)
@@ -68,24 +68,33 @@ class _AsyncColumnLinear(torch.autograd.Function):
             for j in range(world)
         ]
         ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(full, weight)
+        ctx.recompute = recompute_allgather  # keep the shard; gather it again in the backward
+        ctx.save_for_backward(x if recompute_allgather else full, weight)
         return torch.cat(parts, dim=0)
 
     @staticmethod
     def backward(ctx, grad_y):
-        full, weight = ctx.saved_tensors
+        saved, weight = ctx.saved_tensors
+        full_handle = None
+        if ctx.recompute and ctx.needs_input_grad[1]:
+            with record_function("tp.all_gather.async"):
+                full_handle = _start_all_gather(saved, ctx.group)
+        full = saved
         grad_x = grad_w = grad_b = None
         finish = None
         if ctx.needs_input_grad[0]:
             with record_function("tp.reduce_scatter.async"):
                 finish = _start_reduce_scatter(grad_y.matmul(weight), ctx.group)
         if ctx.needs_input_grad[1]:  # overlaps the reduce-scatter
+            if full_handle is not None:
+                full, handle = full_handle
+                handle.wait()
             grad_w = _flat(grad_y).t().matmul(_flat(full)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = _flat(grad_y).sum(0)
         if finish is not None:
             grad_x = finish()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _AsyncRowLinear(torch.autograd.Function):
@@ -130,10 +139,15 @@ class _AsyncRowLinear(torch.autograd.Function):
 
 
 def async_column_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    recompute_allgather: bool = False,
 ) -> torch.Tensor:
-    """Column-parallel linear of a sequence-sharded input `[s/tp, b, in]` -> `[s, b, out/tp]`."""
-    return _AsyncColumnLinear.apply(x, weight, bias, group)
+    """Column-parallel linear of a sequence-sharded input `[s/tp, b, in]` -> `[s, b, out/tp]`
+    (`recompute_allgather`: keep only the shard for the backward, which gathers it again)."""
+    return _AsyncColumnLinear.apply(x, weight, bias, group, recompute_allgather)
 
 
 def async_row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:

@@ -26,6 +26,7 @@ from nanotron_parallel.tensor_parallel.functional import (
     reduce_from_tp,
     reduce_scatter_from_tp,
 )
+from nanotron_parallel.tensor_parallel.gather_recompute import gather_recompute_linear
 
 
 class TensorParallelLinearMode(str, enum.Enum):
@@ -159,6 +160,8 @@ class ColumnParallelLinear(_TPLinearBase):
         self.tp_rank, self.tp_size = _group_coords(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        # REDUCE_SCATTER: keep the input shard, gather it again in the backward (less memory).
+        self.recompute_allgather = False
         self.sections = None if sections is None else [int(s) for s in sections]
         if self.sections is not None:
             if sum(self.sections) != out_features:
@@ -188,9 +191,13 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.async_communication and self.tp_size > 1:
-            y = async_column_linear(x, self.weight, self.bias, self.group)  # overlapped gather
+            y = async_column_linear(  # overlapped gather
+                x, self.weight, self.bias, self.group, self.recompute_allgather
+            )
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
             y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        elif self.recompute_allgather and self.tp_size > 1:
+            y = gather_recompute_linear(x, self.weight, self.bias, self.group)
         else:
             y = F.linear(all_gather_to_tp(x, self.group, dim=0), self.weight, self.bias)
         if self.gather_output:

@@ -151,6 +151,12 @@ def _save(root: Path, tmp: Path, snap: Snapshot, pc) -> None:
         except OSError as exc:
             error = f"{tmp}: cannot remove an old unfinished save ({exc.strerror})"
     _agree(pc, error)
+    # Nanotron's meaning of checkpoints_path_is_shared_file_system: false: each node's local
+    # rank 0 creates the folders too (true: global rank 0 only, above).
+    node_leader = pc.rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if node_leader and not cfg.checkpoints.checkpoints_path_is_shared_file_system:
+        for sub in ("model", "optimizer", "rng"):
+            (tmp / sub).mkdir(parents=True, exist_ok=True)
     records: list[FileRecord] = []
     try:
         records = write_snapshot(tmp, snap)

@@ -25,7 +25,9 @@ from nanotron_train.data.tokenizer import file_sha256, load_tokenizer
 WAIT_TIMEOUT_S = 6 * 3600
 
 
-def cache_key(inputs: list[str] | str, text_column: str, tokenizer_file: str) -> str:
+def cache_key(
+    inputs: list[str] | str, text_column: str, tokenizer_file: str, splits: list[str] | None = None
+) -> str:
     parts = []
     for src in expand_inputs(inputs):
         for f in source_files(src):
@@ -37,6 +39,7 @@ def cache_key(inputs: list[str] | str, text_column: str, tokenizer_file: str) ->
             "inputs": parts,
             "text_column": text_column,
             "tokenizer_sha256": file_sha256(tokenizer_file),
+            **({"splits": splits} if splits is not None else {}),  # old keys stay valid
         },
         sort_keys=True,
     )
@@ -52,8 +55,11 @@ def cached_nanoset(
     is_builder: bool = True,
     barrier: Callable[[str | None], str | None] | None = None,
     num_workers: int | None = None,
+    splits: list[str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """The Nanoset folder for a raw local dataset, building it on first use.
+    """The Nanoset folder for a raw local dataset, building it on first use (`overwrite`:
+    building it again even when cached; `splits`: of a saved DatasetDict).
 
     `barrier(error)`: the builder posts its outcome (None = built), every other rank waits for
     it and gets the builder's error back (or None).
@@ -64,12 +70,13 @@ def cached_nanoset(
             "tokenize it"
         )
     tok = load_tokenizer(tokenizer_path)
-    folder = Path(cache_dir) / cache_key(inputs, text_column, tok.path)
-    if is_builder and not (folder / METADATA_FILE).is_file():
+    folder = Path(cache_dir) / cache_key(inputs, text_column, tok.path, splits)
+    if is_builder and (overwrite or not (folder / METADATA_FILE).is_file()):
         try:
             tokenize_to_nanoset(
-                inputs, tok.path, folder, text_column=text_column, num_workers=num_workers
-            )
+                inputs, tok.path, folder, text_column=text_column, num_workers=num_workers,
+                splits=splits, overwrite=overwrite,
+            )  # fmt: skip
         except Exception as exc:
             if barrier is not None:  # the others stop waiting and fail with this message
                 barrier(

@@ -133,18 +133,21 @@ def _iter_parquet(path: Path, column: str) -> Iterator[str]:
                 yield text
 
 
-def _iter_hf(path: Path, column: str) -> Iterator[str]:
+def _iter_hf(path: Path, column: str, names: list[str] | None = None) -> Iterator[str]:
     import datasets
 
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001
         raise DataError(f"{path}: cannot load the saved Hugging Face dataset ({exc})") from None
-    splits = (
-        [loaded[name] for name in sorted(loaded)]
-        if isinstance(loaded, datasets.DatasetDict)
-        else [loaded]
-    )
+    if isinstance(loaded, datasets.DatasetDict):
+        names = sorted(loaded) if names is None else names
+        missing = [n for n in names if n not in loaded]
+        if missing:
+            raise DataError(f"{path}: no split {missing[0]!r} (splits: {sorted(loaded)})")
+        splits = [loaded[name] for name in names]
+    else:
+        splits = [loaded]
     for split in splits:
         if column not in split.column_names:
             raise DataError(f"{path}: no column {column!r} (columns: {split.column_names})")
@@ -154,8 +157,11 @@ def _iter_hf(path: Path, column: str) -> Iterator[str]:
                     yield text
 
 
-def iter_documents(sources: list[Source], text_column: str = "text") -> Iterator[str]:
-    """Every non-empty document of the sources, in order."""
+def iter_documents(
+    sources: list[Source], text_column: str = "text", splits: list[str] | None = None
+) -> Iterator[str]:
+    """Every non-empty document of the sources, in order (`splits`: those of a saved
+    DatasetDict, every split when None)."""
     for src in sources:
         if src.kind == "text":
             texts: Iterator[str] = iter([_read_text(src.path)])
@@ -164,7 +170,7 @@ def iter_documents(sources: list[Source], text_column: str = "text") -> Iterator
         elif src.kind == "parquet":
             texts = _iter_parquet(src.path, text_column)
         else:
-            texts = _iter_hf(src.path, text_column)
+            texts = _iter_hf(src.path, text_column, splits)
         for text in texts:
             if text:
                 yield text

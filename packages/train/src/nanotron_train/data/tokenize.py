@@ -78,6 +78,7 @@ def tokenize_to_nanoset(
     model_vocab_size: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    splits: list[str] | None = None,
 ) -> Path:
     """Tokenize ``inputs`` with the tokenizer at ``tokenizer_path`` into a Nanoset at ``out_dir``."""
     sources = expand_inputs(inputs)
@@ -100,7 +101,7 @@ def tokenize_to_nanoset(
     workers = max(1, num_workers)
     pool = None
     try:
-        batches = _batches(iter_documents(sources, text_column))
+        batches = _batches(iter_documents(sources, text_column, splits))
         if workers > 1:
             pool = _context().Pool(workers, _init_worker, (tok.path,))
             results = pool.imap(_encode_batch, batches)

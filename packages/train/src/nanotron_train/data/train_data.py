@@ -119,6 +119,9 @@ class TrainData:
                         text_column=ds.text_column_name,
                         is_builder=builder,
                         barrier=barrier,
+                        num_workers=ds.dataset_processing_num_proc_per_process,
+                        splits=ds.hf_dataset_splits or ["train"],  # Nanotron's default
+                        overwrite=ds.dataset_overwrite_cache,
                     )
                 )
             ]

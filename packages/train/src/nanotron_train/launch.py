@@ -1,0 +1,72 @@
+"""`python -m nanotron_train.launch [torchrun options] --config-file C.yaml [--override ...]`
+
+torchrun with the trainer's promise kept: a user error (config, data, checkpoint) is one line
+and exit status 2. Plain `torchrun -m nanotron_train` prints that line too, but its elastic
+agent then adds a `ChildFailedError` report and exits with 1. This launcher checks the config
+(with the world size torchrun will make) before starting any process, then runs torchrun's
+own `run`. A worker that stops on a user error writes its line to torchrun's error file
+(TORCHELASTIC_ERROR_FILE) instead of printing it; when the first worker to fail did so, the
+launcher prints that line and exits with 2, nothing more. A crash keeps torchrun's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from nanotron_train.__main__ import QUIET_ENV, add_trainer_args, overrides_of
+
+
+def _world_size(args: argparse.Namespace) -> int | None:
+    """nproc_per_node x nnodes when both are plain numbers (elastic ranges: not known yet)."""
+    low, _, high = str(args.nnodes).partition(":")
+    try:
+        if high and int(high) != int(low):
+            return None
+        return int(args.nproc_per_node) * int(low)
+    except ValueError:  # "gpu", "auto", ...
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from nanotron_train.config import load_config
+
+    ours = argparse.ArgumentParser(add_help=False)
+    add_trainer_args(ours)
+    mine, torchrun_args = ours.parse_known_args(argv)
+    forwarded = ["--config-file", mine.config_file]
+    for assignment in mine.override:
+        forwarded += ["--override", assignment]
+    if mine.resume:
+        forwarded += ["--resume", mine.resume]
+    args = get_args_parser().parse_args([*torchrun_args, "-m", "nanotron_train", *forwarded])
+    try:
+        load_config(mine.config_file, overrides_of(mine), _world_size(args))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    # The workers report a user error through torchrun's error file (no printing): the
+    # first one to fail is the cause, the others are stopped by the agent.
+    os.environ[QUIET_ENV] = "1"
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):  # its report duplicates ours
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        _, first = exc.get_first_failure()
+        if first.exitcode == 2:  # a user error: its one line
+            print(first.message, file=sys.stderr, flush=True)
+            return 2
+        print(f"error: {exc.format_msg()}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
