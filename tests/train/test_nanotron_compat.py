@@ -440,7 +440,9 @@ def test_tokenizer_revision_picks_that_snapshot_of_the_local_hub_cache(tmp_path,
         load_tokenizer(str(repo / "snapshots" / ("a" * 40)), "main")
 
 
-def _sanity_run(_unused: int) -> tuple[int, str]:
+def _sanity_run(tmp: str) -> tuple[int, str, list[str]]:
+    import os
+
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
@@ -465,16 +467,35 @@ def _sanity_run(_unused: int) -> tuple[int, str]:
         except SanityCheckError as exc:
             message = str(exc)
         tr.close()
+        # checkpoints_path_is_shared_file_system: true is checked: one folder seen by both
+        # ranks passes; a relative path from different working directories is not shared.
+        from nanotron_train.checkpoints import CheckpointError
+        from nanotron_train.checkpoints.save import check_shared
+
+        shared = []
+        check_shared(Path(tmp) / "shared", pc)
+        os.chdir(Path(tmp) / f"rank{dist.get_rank()}")
+        try:
+            check_shared(Path("ck"), pc)
+        except CheckpointError as exc:
+            shared.append(str(exc))
         pc.destroy()
-    return len(steps), message
+    return len(steps), message, shared
 
 
-def test_sanity_checks_catch_diverged_dp_replicas():
+def test_sanity_checks_and_shared_file_system_check(tmp_path):
     from nanotron_parallel.testing import run_distributed
 
-    for steps, message in run_distributed(_sanity_run, 2, 0, timeout=120):
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}").mkdir()
+    for steps, message, shared in run_distributed(_sanity_run, 2, str(tmp_path), timeout=120):
         assert steps == 2
         assert message == "step 3: dp replicas disagree on decoder.1.mlp.down.weight"
+        assert shared == [
+            "ck: checkpoints.checkpoints_path_is_shared_file_system is true but rank 1 does not "
+            "see rank 0's files there"
+        ]
+    assert list((tmp_path / "shared").iterdir()) == []  # the marker is removed
 
 
 def test_num_loading_workers_prefetch_same_batches_and_position(tmp_path):

@@ -213,6 +213,7 @@ def save_imported(
             step=step,
             consumed_samples=consumed_samples,
             consumed_tokens=consumed_tokens,
+            data_step_offset=0,
         )
         random.seed(cfg.general.seed)
         np.random.seed(cfg.general.seed % 2**32)

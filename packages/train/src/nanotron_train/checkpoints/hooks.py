@@ -11,7 +11,7 @@ from nanotron_train.checkpoints.async_save import AsyncCheckpointer
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.layout import LATEST_FILE
 from nanotron_train.checkpoints.load import load_checkpoint, resolve_checkpoint
-from nanotron_train.checkpoints.save import clean_leftovers, save_checkpoint
+from nanotron_train.checkpoints.save import check_shared, clean_leftovers, save_checkpoint
 from nanotron_train.fault.coordination import shared_store
 from nanotron_train.fault.errors import TrainingStopped
 
@@ -47,6 +47,8 @@ class Checkpointing:
         pc = t.pc
         if ck.checkpoints_path and pc.rank == 0:
             clean_leftovers(Path(ck.checkpoints_path))
+        if ck.checkpoints_path and ck.checkpoints_path_is_shared_file_system:
+            check_shared(Path(ck.checkpoints_path), pc)
         folder = resume_folder(ck.resume_checkpoint_path, ck.checkpoints_path)
         if folder is None:
             if ck.resume_checkpoint_path == "auto" and pc.rank == 0:

@@ -113,6 +113,29 @@ def _agree(pc, error: str | None) -> None:
         raise CheckpointError(first)
 
 
+def check_shared(root: Path, pc) -> None:
+    """checkpoints.checkpoints_path_is_shared_file_system: true: every rank must see what rank
+    0 writes under `root` (rank 0 seals each checkpoint alone). Collective; raises on every rank."""
+    name = [f".shared-check-{os.getpid()}-{time.time_ns()}" if pc.rank == 0 else None]
+    dist.broadcast_object_list(name, src=0, group=pc.world_group)
+    marker = root / name[0]
+    error = None
+    if pc.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            marker.write_text("")
+        except OSError as exc:
+            error = f"{root}: cannot write there ({exc.strerror})"
+    _agree(pc, error)
+    seen = marker.exists()
+    if pc.rank == 0:
+        marker.unlink(missing_ok=True)
+    _agree(pc, None if seen else (
+        f"{root}: checkpoints.checkpoints_path_is_shared_file_system is true but rank {pc.rank} "
+        "does not see rank 0's files there"
+    ))  # fmt: skip
+
+
 def clean_leftovers(root: Path) -> None:
     """Remove `.tmp-*` folders a crashed save left behind (they were never complete)."""
     if not root.is_dir():
@@ -151,12 +174,6 @@ def _save(root: Path, tmp: Path, snap: Snapshot, pc) -> None:
         except OSError as exc:
             error = f"{tmp}: cannot remove an old unfinished save ({exc.strerror})"
     _agree(pc, error)
-    # Nanotron's meaning of checkpoints_path_is_shared_file_system: false: each node's local
-    # rank 0 creates the folders too (true: global rank 0 only, above).
-    node_leader = pc.rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
-    if node_leader and not cfg.checkpoints.checkpoints_path_is_shared_file_system:
-        for sub in ("model", "optimizer", "rng"):
-            (tmp / sub).mkdir(parents=True, exist_ok=True)
     records: list[FileRecord] = []
     try:
         records = write_snapshot(tmp, snap)
