@@ -128,12 +128,14 @@ def check_shared(root: Path, pc) -> None:
             error = f"{root}: cannot write there ({exc.strerror})"
     _agree(pc, error)
     seen = marker.exists()
-    if pc.rank == 0:
-        marker.unlink(missing_ok=True)
-    _agree(pc, None if seen else (
-        f"{root}: checkpoints.checkpoints_path_is_shared_file_system is true but rank {pc.rank} "
-        "does not see rank 0's files there"
-    ))  # fmt: skip
+    try:
+        _agree(pc, None if seen else (
+            f"{root}: checkpoints.checkpoints_path_is_shared_file_system is true but rank "
+            f"{pc.rank} does not see rank 0's files there"
+        ))  # fmt: skip
+    finally:  # every rank has looked (the agreement is collective): the marker can go
+        if pc.rank == 0:
+            marker.unlink(missing_ok=True)
 
 
 def clean_leftovers(root: Path) -> None:
