@@ -540,3 +540,37 @@ def test_launcher_user_errors_are_one_line_and_status_2(tmp_path, capsys):
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr == f"error: {tmp_path / 'missing'}: Nanoset folder does not exist\n"
+
+
+@pytest.mark.parametrize(
+    "key, value, expect",
+    [
+        ("checkpoints.resume_checkpoint_path", "s3://bucket/ckpt/10", "asks for checkpoints on S3"),
+        ("model.model_config._attn_implementation", "flex_attention", "context-parallel"),
+        ("model.model_config.is_llama_config", False, "only Llama models"),
+        ("model.init_method.scaling_method", "LAYER_INDEX", "not implemented by Nanotron either"),
+        ("optimizer.optimizer_factory.name", "sgd", "name: sgd takes none of adam_beta1"),
+    ],
+)
+def test_nanotron_values_we_refuse_name_the_key(key, value, expect):
+    data = example()
+    named = _set(data, key, value)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data, "ex.yaml", world_size=8)
+    text = str(err.value)
+    assert expect in text and "\n" not in text
+    assert text.startswith(f"ex.yaml: {named.rsplit('.', 1)[0] if 'sgd' in expect else named}")
+
+
+def test_nanotron_defaults_and_attention_names():
+    data = example()
+    data["profiler"] = {"profiler_export_path": "tb"}
+    data["model"]["model_config"]["_attn_implementation"] = "sdpa"
+    cfg = config_from_dict(data, "ex.yaml", world_size=8)
+    assert (cfg.profiler.skip_first, cfg.profiler.with_stack) == (3, True)  # Nanotron's
+    assert cfg.model.model_config.attention_backend == "sdpa"
+    data["model"]["model_config"]["_attn_implementation"] = None
+    assert (
+        config_from_dict(data, "ex.yaml", world_size=8).model.model_config.attention_backend
+        == "auto"
+    )
