@@ -13,7 +13,13 @@ Starts a real dashboard (uvicorn, a child process) on a temporary database and p
      cold (first read after a restart, from SQLite) and warm (median of 5). The points are
      inserted straight into the database, not through the writer, so the dashboard's start
      seals them into blocks first (once; the writer does it as it ingests): timed too.
-Aims (issue 8): >= 50k points/s, p99 < 100 ms, < 300 ms.
+  4. p99 of GET /api/runs/{id}/metrics (4 series of 2,000 points) polled while the trainers of
+     2 ingest (training-like rate) and while they ingest flat out;
+  5. the server's peak RSS (VmHWM) after all of that plus hostile junk (issue 13): 5,000
+     unknown names per metrics GET, 1 MiB ingest bodies from 4 parallel posters (the writer
+     queue pushes back with 503), and a websocket flood of 1 MiB messages.
+Aims (issue 8): >= 50k points/s, p99 < 100 ms, < 300 ms. Issue 13: metrics GET p99 < 100 ms
+on 2 cores, peak RSS under RSS_BUDGET_MIB.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -88,6 +96,114 @@ async def _subscribe(url: str, run_id: str, lat: list[float], stop: asyncio.Even
                 for step, _value, t in next(iter(msg["points"].values())):
                     lat.append(now - t)
                     del step
+
+
+RSS_BUDGET_MIB = 384  # writer queue 64 MiB, websocket buffers, parsing in flight, the server
+
+
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """The process's resident set (VmRSS) or its peak so far (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _post(url: str, body: bytes) -> int:
+    req = urllib.request.Request(url, data=body, method="POST")
+    req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def seed_reader(url: str) -> None:
+    """A run with 4 series of 2,000 points: what a run page fetches."""
+    _post(url + "/api/ingest", json.dumps({"type": "run_start", "run_id": "reader"}).encode())
+    msgs = [
+        {
+            "type": "metrics",
+            "run_id": "reader",
+            "step": s,
+            "values": {
+                "lm_loss": 1.0 / (s + 1),
+                "grad_norm": 1.0,
+                "lr": 1e-3,
+                "tokens_per_sec": 5e3,
+            },
+        }
+        for s in range(2000)
+    ]
+    for i in range(0, 2000, 1000):
+        _post(url + "/api/ingest", json.dumps(msgs[i : i + 1000]).encode())
+
+
+class Poller:
+    """GETs the reader run's metrics in a loop (a run page reloading), timing each."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/api/runs/reader/metrics?max_points=2000"
+        self.lat: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(self.url, timeout=60) as r:
+                body = json.loads(r.read())
+            self.lat.append(time.perf_counter() - t0)
+            assert all(len(s["x"]) == 2000 for s in body["series"].values())
+            time.sleep(0.05)
+
+
+def junk(url: str) -> dict[str, int]:
+    """Issue 13's memory probes; returns how the server answered them."""
+    codes: dict[str, int] = {}
+    names = ",".join(f"junk{i}" for i in range(5000))
+    for _ in range(40):
+        with urllib.request.urlopen(f"{url}/api/runs/reader/metrics?names={names}", timeout=60):
+            pass
+    msg = [
+        {"type": "metrics", "run_id": "junk", "step": s, "values": {f"v{i}": 1.0 for i in range(8)}}
+        for s in range(4500)
+    ]
+    body = json.dumps(msg[: len(msg) * (1 << 20) // (len(json.dumps(msg)) + 1)]).encode()
+
+    def poster() -> None:
+        for _ in range(25):
+            code = _post(url + "/api/ingest", body)
+            codes[str(code)] = codes.get(str(code), 0) + 1
+
+    threads = [threading.Thread(target=poster) for _ in range(4)]
+    for t in threads:
+        t.start()
+
+    async def flood() -> None:
+        from websockets.asyncio.client import connect
+
+        async with connect(url.replace("http", "ws", 1) + "/ws/ingest", max_size=None) as ws:
+            for _ in range(40):
+                await ws.send(body.decode())
+            await ws.send(json.dumps({"type": "heartbeat", "run_id": "junk", "ack": 9}))
+            while json.loads(await ws.recv()).get("ack") != 9:
+                pass
+
+    asyncio.run(flood())
+    for t in threads:
+        t.join()
+    return codes
 
 
 def run_load(
@@ -176,17 +292,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = start_dashboard(Path(tmp) / "load.db")
         try:
-            secs, lat_full = run_load(d.url, args.trainers, args.steps, args.values, None, "full")
+            idle_rss = rss_mib(d.proc.pid, "VmRSS")
+            seed_reader(d.url)
+            with Poller(d.url) as full_poll:
+                secs, lat_full = run_load(
+                    d.url, args.trainers, args.steps, args.values, None, "full"
+                )
             points = args.trainers * args.steps * args.values
             print(
                 f"1. sustained ingest: {points / secs:,.0f} points/s ({args.trainers} trainers, "
                 f"{points:,} points in {secs:.2f} s)   [aim >= 50,000]"
             )
-            _, lat = run_load(d.url, args.trainers, 200, args.values, 20.0, "paced")
+            with Poller(d.url) as paced_poll:
+                _, lat = run_load(d.url, args.trainers, 200, args.values, 20.0, "paced")
             print(
                 f"2. ingest-to-subscriber latency: p99 {p99(lat) * 1e3:.1f} ms, median "
                 f"{statistics.median(lat) * 1e3:.1f} ms at 20 steps/s per trainer ({len(lat)} samples); "
                 f"under full load p99 {p99(lat_full) * 1e3:.0f} ms   [aim p99 < 100 ms]"
+            )
+            print(
+                f"4. GET metrics (4 x 2,000 points) while {args.trainers} trainers ingest: p99 "
+                f"{p99(paced_poll.lat) * 1e3:.0f} ms, median "
+                f"{statistics.median(paced_poll.lat) * 1e3:.0f} ms at 20 steps/s per trainer "
+                f"({len(paced_poll.lat)} GETs); flat out p99 {p99(full_poll.lat) * 1e3:.0f} ms "
+                f"({len(full_poll.lat)} GETs)   [aim p99 < 100 ms on 2 cores]"
+            )
+            load_peak = rss_mib(d.proc.pid)
+            answers = junk(d.url)
+            peak = rss_mib(d.proc.pid)
+            print(
+                f"5. server peak RSS: {load_peak:.0f} MiB after the load, {peak:.0f} MiB after the "
+                f"junk too (idle {idle_rss:.0f} MiB: x{peak / idle_rss:.1f}); junk ingest "
+                f"answers {answers}   [budget {RSS_BUDGET_MIB} MiB: "
+                f"{'within' if peak <= RSS_BUDGET_MIB else 'OVER'}]"
             )
         finally:
             d.stop()

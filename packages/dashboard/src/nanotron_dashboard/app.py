@@ -36,7 +36,8 @@ class Settings:
     stall_seconds: float = 120.0
     allowed_hosts: tuple[str, ...] = ()  # served besides the bound host and loopback names
     cache_bytes: int = 256 << 20  # series cache budget
-    queue_bytes: int = 16 << 20  # writer queue budget (message bytes); then 503 / slower acks
+    # writer queue budget (parsed messages, ~12x their JSON); then 503 / slower acks
+    queue_bytes: int = 64 << 20
 
     @property
     def public_url(self) -> str:

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         log_level=args.log_level,
         ws_max_size=4 * MAX_MESSAGE_BYTES,
+        ws_max_queue=4,  # frames buffered per connection while the writer pushes back
         ws_ping_interval=20,
     )
     for name in ("uvicorn.access", "uvicorn.error"):  # after Config has set logging up

@@ -3,7 +3,7 @@
 Many trainers then never contend for SQLite's lock, and a burst of small messages becomes one
 transaction. After each commit it tells the series cache and the live-update hub.
 
-The queue is bounded in bytes (of the messages as received), not in count: a producer that
+The queue is bounded in bytes (an estimate of the parsed messages' memory), not in count: a producer that
 finds it full waits (websocket: its acks slow down) or is told to retry (HTTP 503).
 Each message's result is a dict; a refusal is `{"ok": False, "status": 4xx/5xx, "error": ...}`
 (a run_start that would change a run's command, a run's 1001st metric name, a full disk).
@@ -74,7 +74,7 @@ class Writer:
         notify: Notify | None = None,
         watching: Callable[[str], bool] = lambda run_id: False,
         max_batch: int = 5000,
-        max_bytes: int = 8 << 20,
+        max_bytes: int = 64 << 20,
     ) -> None:
         self._engine = engine
         self._cache = cache
