@@ -206,7 +206,7 @@ def test_finding8_metric_names_bounded_run_list_paginated_and_runs_deletable(c, 
     assert main(["delete-run", "--db", str(c.tmp / "in.db"), "page-000"]) == 2
     db = tmp_path / "cli.db"
     with TestClient(create_app(Settings(db=str(db))), base_url=LOCAL) as other:
-        other.post("/api/ingest", json={"type": "run_start", "run_id": "gone"})
+        other.post("/api/ingest", json={"type": "run_start", "run_id": "gone", "attempt": "a1"})
         other.post(
             "/api/ingest", json={"type": "metrics", "run_id": "gone", "step": 1, "values": {"a": 1}}
         )
@@ -215,6 +215,7 @@ def test_finding8_metric_names_bounded_run_list_paginated_and_runs_deletable(c, 
     with sqlite3.connect(db) as con:
         assert con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
         assert con.execute("SELECT COUNT(*) FROM metrics").fetchone()[0] == 0
+        assert con.execute("SELECT COUNT(*) FROM run_attempts").fetchone()[0] == 0
 
 
 def test_finding9_memory_is_bounded_in_bytes(c, tmp_path):

@@ -254,7 +254,14 @@ def delete_run(conn: object, run_id: str) -> int | None:
     if row is None:
         return None
     pk = int(row[0])
-    for table in ("metrics", "latest", "series_blocks", "run_nonfinite", "checkpoints"):
+    for table in (
+        "metrics",
+        "latest",
+        "series_blocks",
+        "run_nonfinite",
+        "run_attempts",
+        "checkpoints",
+    ):
         conn.exec_driver_sql(f"DELETE FROM {table} WHERE run_pk=?", (pk,))  # type: ignore[attr-defined]
     conn.exec_driver_sql("DELETE FROM runs WHERE pk=?", (pk,))  # type: ignore[attr-defined]
     return pk
