@@ -95,6 +95,7 @@ def test_wandb_offline_records_the_run(tmp_path, monkeypatch):
     logger = MetricsLogger(
         None,
         wandb_project="sinks-test",
+        wandb_entity="my-team",  # general.entity
         run_name="tiny",
         config={"tokens": {"train_steps": 3}},
         stream=io.StringIO(),
@@ -121,6 +122,7 @@ def test_wandb_offline_records_the_run(tmp_path, monkeypatch):
             row.update({k: json.loads(v) for k, v in items.items()})
         elif kind == "run":
             assert rec.run.project == "sinks-test" and rec.run.display_name == "tiny"
+            assert rec.run.entity == "my-team"
             config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
         elif kind == "config":  # config may also come as its own record
             config.update({i.key: json.loads(i.value_json) for i in rec.config.update})

@@ -37,7 +37,7 @@ class GeneralArgs:
     project: str = "nanotron"
     run: str | None = None  # %date and %jobid (SLURM_JOB_ID or "local") are expanded at load
     seed: int = 42
-    entity: str | None = None
+    entity: str | None = None  # ours: the wandb entity (team) of logging.wandb_project
     step: int | None = None  # written into a checkpoint's config; checked on resume
     consumed_train_samples: int | None = None  # likewise
     benchmark_csv_path: str | None = None  # one throughput row appended at the end of training

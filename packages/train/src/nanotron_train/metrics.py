@@ -185,6 +185,7 @@ class MetricsLogger:
         metrics_file: str | None,
         tensorboard_dir: str | None = None,
         wandb_project: str | None = None,
+        wandb_entity: str | None = None,
         run_name: str | None = None,
         config: dict | None = None,
         stream: TextIO | None = sys.stdout,
@@ -212,7 +213,9 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 raise MetricsSinkError(_missing("wandb_project")) from None
-            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config)
+            self._wandb = wandb.init(
+                project=wandb_project, entity=wandb_entity, name=run_name, config=config
+            )
         start_offset = 0
         if metrics_file:
             path = Path(metrics_file)
@@ -310,6 +313,7 @@ def build_metrics_logger(
         lg.metrics_file,
         lg.tensorboard_dir,
         lg.wandb_project,
+        wandb_entity=cfg.general.entity,
         run_name=cfg.general.run,
         config=run.config,
         stream=stream,
