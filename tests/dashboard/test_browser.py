@@ -36,6 +36,7 @@ def seed(d, run_id: str, tmp: Path, steps: int = 300) -> None:
                     "grad_norm": 1.0 + s % 5,
                     "lr": 1e-3,
                     "tokens_per_sec": 5000.0 + s,
+                    **({"val_loss": 12.0 / s} if s % 50 == 0 else {}),  # every 50 steps
                 },
             }
             for s in range(1, steps + 1)
@@ -84,6 +85,15 @@ def test_run_list_and_run_page(browser, live_dashboard, tmp_path):
                    let n = 0; for (let i = 3; i < px.length; i += 4) if (px[i] > 0) n++; return n; }"""
     )
     assert drawn > 200, drawn
+    # val_loss: its own chart, and drawn over the training loss (6 points, at steps 50..300)
+    assert page.locator('.chart[data-metric="val_loss"] canvas').count() == 1
+    overlay = page.evaluate(
+        """() => { const p = window.__nt.charts.lm_loss.plot;
+                   const i = p.series.findIndex((s) => s.label.endsWith(' val_loss'));
+                   return i < 0 ? null : p.data[0].flatMap((x, k) => p.data[i][k] === null ? []
+                                                             : [[x, p.data[i][k]]]); }"""
+    )
+    assert overlay == [[s, 12.0 / s] for s in range(50, 301, 50)], overlay
     assert "<script>x</script>" in page.locator("#config").inner_text()
 
     # a new point arrives live (x=step) and appears in the chart's data

@@ -2,7 +2,9 @@
 
 Same tiny config (hidden 64, 4 heads, 2 kv heads, 4 layers, vocab 256, seq 32, mbs 2, global
 batch 8, 10 steps, fp32), same seed and global batch; each run's lm_loss and grad_norm at every
-step must be within 1e-5 relative of the single-process run. Layouts of one world size share
+step must be within 1e-5 relative of the single-process run, and so must val_loss (evaluated on
+a held-out Nanoset at steps 5 and 10, through each layout's pipeline/tp/dp with the
+forward-only schedule). Layouts of one world size share
 one launch (a fresh ParallelContext per layout). Every value of every axis appears:
 pp_engine afab/1f1b, tp_mode ALL_REDUCE/REDUCE_SCATTER, zero_stage 0/1,
 accumulate_grad_in_fp32 on/off, tied/untied.
@@ -13,7 +15,6 @@ so that one layout uses a 4-kv-head variant against its own single-process refer
 
 from __future__ import annotations
 
-import copy
 import io
 
 import pytest
@@ -23,6 +24,24 @@ from nanotron_parallel.testing import run_distributed, shared_default_group
 
 STEPS = 10
 REL = 1e-5
+VAL_INTERVAL = 5
+
+
+def make_val_folder(path) -> str:
+    """A held-out Nanoset for the matrix: 24 documents of 30 random ids in the model's vocab,
+    22 samples of 33 tokens, so the last of the 3 validation batches of 8 is padded."""
+    from nanotron_train.data.testing import make_id_nanoset
+
+    return str(make_id_nanoset(path, [30] * 24, high=256, vocab_size=256, seed=11))
+
+
+@pytest.fixture(scope="module")
+def val_folder(tmp_path_factory) -> str:
+    return make_val_folder(tmp_path_factory.mktemp("eq") / "val")
+
+
+def with_val(layouts: list[dict], folder: str) -> list[dict]:
+    return [{**layout, "val": folder} for layout in layouts]
 
 
 def base_config(tied: bool = True, kv_heads: int = 2) -> dict:
@@ -80,6 +99,9 @@ def layout_config(layout: dict) -> dict:
     cfg["tokens"]["batch_accumulation_per_replica"] = 4 // layout["dp"]
     cfg["optimizer"]["zero_stage"] = layout.get("zero", 0)
     cfg["optimizer"]["accumulate_grad_in_fp32"] = layout.get("fp32_accum", True)
+    if layout.get("val"):
+        cfg["validation"] = {"dataset": {"dataset_folder": layout["val"]}}
+        cfg["tokens"]["val_check_interval"] = VAL_INTERVAL
     return cfg
 
 
@@ -110,6 +132,7 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
                 {
                     "loss": [r["lm_loss"] for r in records],
                     "norm": [r["grad_norm"] for r in records],
+                    "val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],
                     "state_bytes": state_bytes,
                     "tied_ok": tied_ok,
                 }
@@ -123,13 +146,15 @@ def close(a: list[float], b: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict:
-    """Single-process runs (in this process): tied, untied, and the 4-kv-head variant."""
+def references(val_folder) -> dict:
+    """Single-process runs (in this process): tied, untied, and the 4-kv-head variant, all
+    with validation; and tied without validation (training must not notice evaluation)."""
     refs = {}
     for key, layout in {
-        "tied": {"dp": 1, "tp": 1, "pp": 1, "tied": True},
-        "untied": {"dp": 1, "tp": 1, "pp": 1, "tied": False, "engine": "afab"},
-        "kv4": {"dp": 1, "tp": 1, "pp": 1, "tied": True, "kv_heads": 4},
+        "tied": {"dp": 1, "tp": 1, "pp": 1, "tied": True, "val": val_folder},
+        "untied": {"dp": 1, "tp": 1, "pp": 1, "tied": False, "engine": "afab", "val": val_folder},
+        "kv4": {"dp": 1, "tp": 1, "pp": 1, "tied": True, "kv_heads": 4, "val": val_folder},
+        "tied_no_val": {"dp": 1, "tp": 1, "pp": 1, "tied": True},
     }.items():
         refs[key] = run_layouts([layout])[0]
     return refs
@@ -166,6 +191,10 @@ def check_matches(layouts: list[dict], results: list[dict], refs: dict) -> None:
         ref = refs[ref_key(layout)]
         assert close(res["loss"], ref["loss"]) <= REL, (layout, res["loss"], ref["loss"])
         assert close(res["norm"], ref["norm"]) <= REL, (layout, res["norm"], ref["norm"])
+        steps = [s for s, _ in res["val"]]
+        assert steps == [s for s, _ in ref["val"]] == [VAL_INTERVAL, STEPS], (layout, steps)
+        val, ref_val = [v for _, v in res["val"]], [v for _, v in ref["val"]]
+        assert close(val, ref_val) <= REL, (layout, val, ref_val)
         assert res["tied_ok"], layout
 
 
@@ -174,6 +203,17 @@ def test_reference_learns(references):
     loss = references["tied"]["loss"]
     assert loss[-1] < loss[0] - 0.3 and sum(loss[-3:]) < sum(loss[:3]) - 0.6, loss
     assert references["tied"]["norm"][0] > 0.5
+
+
+def test_training_unchanged_by_validation(references):
+    """Evaluating every 5 steps changes no training loss or gradient norm, bit for bit; the
+    held-out loss is a real measurement: random ids in [1, 256) cannot be predicted below
+    ln(255) = 5.54 nats, and the model changed between the two evaluations."""
+    with_val, without = references["tied"], references["tied_no_val"]
+    assert with_val["loss"] == without["loss"] and with_val["norm"] == without["norm"]
+    assert without["val"] == []
+    (s1, v1), (s2, v2) = with_val["val"]
+    assert (s1, s2) == (5, 10) and v1 != v2 and 5.54 < min(v1, v2) < max(v1, v2) < 6.0, with_val
 
 
 def test_axes_all_covered():
@@ -198,8 +238,8 @@ def test_axes_all_covered():
     assert dims == wanted
 
 
-def test_world2_layouts_match_reference(references):
-    results = run_distributed(run_layouts, 2, copy.deepcopy(WORLD2), timeout=240)
+def test_world2_layouts_match_reference(references, val_folder):
+    results = run_distributed(run_layouts, 2, with_val(WORLD2, val_folder), timeout=240)
     check_matches(WORLD2, results[0], references)
     # ZeRO-1 holds 1/dp of the optimizer state of zero_stage 0 (same dp=2 layout).
     zero1 = [r[0]["state_bytes"] for r in results]
@@ -208,11 +248,11 @@ def test_world2_layouts_match_reference(references):
         assert abs(z1 - z0 / 2) <= 0.01 * z0 / 2, (zero1, zero0)
 
 
-def test_world4_layouts_match_reference(references):
-    results = run_distributed(run_layouts, 4, copy.deepcopy(WORLD4), timeout=400)
+def test_world4_layouts_match_reference(references, val_folder):
+    results = run_distributed(run_layouts, 4, with_val(WORLD4, val_folder), timeout=400)
     check_matches(WORLD4, results[0], references)
 
 
-def test_world8_layouts_match_reference(references):
-    results = run_distributed(run_layouts, 8, copy.deepcopy(WORLD8), timeout=400)
+def test_world8_layouts_match_reference(references, val_folder):
+    results = run_distributed(run_layouts, 8, with_val(WORLD8, val_folder), timeout=400)
     check_matches(WORLD8, results[0], references)

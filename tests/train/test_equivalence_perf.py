@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nanotron_parallel.testing import run_distributed, shared_default_group
-from tests.train.test_equivalence import REL, close, layout_config
+from tests.train.test_equivalence import REL, close, layout_config, make_val_folder
 
 PROFILE_STEPS = 3  # the profiler's wait=1, warmup=1, active=1
 
@@ -72,6 +72,7 @@ def run_perf_layouts(layouts: list[dict]) -> list[dict]:
                 pc.destroy()
             out.append({"loss": [r["lm_loss"] for r in records],
                         "norm": [r["grad_norm"] for r in records],
+                        "val": [r["val_loss"] for r in records if "val_loss" in r],
                         "tied_ok": tied_ok, "masters": masters, "params": params})  # fmt: skip
     return out
 
@@ -116,17 +117,25 @@ def check(layouts: list[dict], results: list[dict], ref: dict) -> None:
         assert close(res["loss"], ref["loss"]) <= REL, (layout, res["loss"], ref["loss"])
         assert close(res["norm"], ref["norm"]) <= REL, (layout, res["norm"], ref["norm"])
         assert res["tied_ok"], layout
+        if layout.get("val"):  # the forward-only interleaved schedule evaluates the same
+            assert len(res["val"]) == 2 and close(res["val"], ref["val"]) <= REL, layout
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    return run_perf_layouts([{"dp": 1, "tp": 1, "pp": 1}])[0]
+def val_folder(tmp_path_factory) -> str:
+    return make_val_folder(tmp_path_factory.mktemp("eqp") / "val")
 
 
-def test_single_process_options_match(reference):
+@pytest.fixture(scope="module")
+def reference(val_folder) -> dict:
+    return run_perf_layouts([{"dp": 1, "tp": 1, "pp": 1, "val": val_folder}])[0]
+
+
+def test_single_process_options_match(reference, val_folder):
     """recompute and interleaved with both ends on one rank (pp=1, v=2), in this process."""
     layouts = [{"dp": 1, "tp": 1, "pp": 1, "recompute": True},
-               {"dp": 1, "tp": 1, "pp": 1, "engine": "interleaved-1f1b", "v": 2}]  # fmt: skip
+               {"dp": 1, "tp": 1, "pp": 1, "engine": "interleaved-1f1b", "v": 2,
+                "val": val_folder}]  # fmt: skip
     check(layouts, run_perf_layouts(layouts), reference)
 
 
@@ -135,10 +144,10 @@ def expected_live(pp: int, v: int, m: int, rank: int) -> int:
     return min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
 
 
-def test_world2_layouts_match_reference(reference, tmp_path):
+def test_world2_layouts_match_reference(reference, tmp_path, val_folder):
     layouts = [
         {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "async": True},
-        {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b", "v": 2},
+        {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b", "v": 2, "val": val_folder},
         {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "async": True, "recompute": True},
         {"dp": 1, "tp": 1, "pp": 2, "recompute": True, "engine": "afab"},
         {"counters": True, "dp": 1, "tp": 1, "pp": 2, "v": 2, "m": 4},
@@ -169,10 +178,10 @@ def trace_names(folder, rank: int) -> set[str]:
     return names
 
 
-def test_world4_layouts_match_reference(reference, tmp_path):
+def test_world4_layouts_match_reference(reference, tmp_path, val_folder):
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER", "engine": "interleaved-1f1b",
-         "v": 2, "async": True, "recompute": True},
+         "v": 2, "async": True, "recompute": True, "val": val_folder},
         {"counters": True, "dp": 1, "tp": 1, "pp": 4, "v": 2, "m": 8},
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER", "engine": "interleaved-1f1b",
          "v": 2, "async": True, "profile": str(tmp_path / "tp"), "steps": PROFILE_STEPS},

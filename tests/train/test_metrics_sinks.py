@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import math
 import socket
 import struct
 import sys
@@ -33,11 +34,14 @@ from nanotron_train.metrics import (
 
 
 def records(n: int = 3) -> list[dict]:
-    """Real records (make_record), with a loss that is not float32-exact on purpose."""
+    """Real records (make_record), with a loss that is not float32-exact on purpose; step 2
+    evaluated (val_loss, val_ppl as the trainer merges them)."""
     out = []
     for s in range(1, n + 1):
         m = StepMeasure(s, 128 * s, 8.0 / s + 1e-9 * s, 0.5 + 0.1 * s, 1e-3 * s, 0.25, 128)
         out.append(make_record(m, 2, 1e6, None, 1 << 20, 4))  # mfu None: not numeric
+    if n >= 2:
+        out[1].update(val_loss=4.5 + 1e-9, val_ppl=math.exp(4.5 + 1e-9))
     return out
 
 
@@ -59,6 +63,8 @@ def test_tensorboard_scalars_read_back(tmp_path):
         assert [e.step for e in events] == [1, 2, 3]
         # TensorBoard's scalar summaries are float32
         assert [e.value for e in events] == [float(np.float32(r[tag])) for r in recs]
+    for tag in ("val_loss", "val_ppl"):
+        assert [(e.step, e.value) for e in acc.Scalars(tag)] == [(2, np.float32(recs[1][tag]))]
 
 
 def _wandb_records(path: Path):
@@ -132,6 +138,7 @@ def test_wandb_offline_records_the_run(tmp_path, monkeypatch):
         h = history[step]
         assert h["lm_loss"] == r["lm_loss"] and h["lr"] == r["lr"]  # full precision
         assert "mfu" not in h
+        assert h.get("val_loss") == r.get("val_loss") and h.get("val_ppl") == r.get("val_ppl")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from nanotron_train.config_loader import ConfigError, apply_override, from_dict,
 from nanotron_train.data.stages import DatasetSpec
 from nanotron_train.fault_config import FaultToleranceArgs
 from nanotron_train.perf_config import ProfilerArgs
+from nanotron_train.validation_config import ValidationArgs
 
 __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "save_config"]
 
@@ -196,6 +197,7 @@ class Config:
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiler: ProfilerArgs | None = None  # torch.profiler traces (profiling.py)
     fault_tolerance: FaultToleranceArgs = field(default_factory=FaultToleranceArgs)
+    validation: ValidationArgs | None = None  # held-out evaluation (validation_config.py)
     # Nanotron features this project does not have: null, or refused with one line.
     lighteval: dict[str, Any] | None = None
     s3_upload: dict[str, Any] | None = None

@@ -164,6 +164,7 @@ def _real(cfg: Config, pc, stages: list[DatasetStageArgs], first: bool = False) 
         tokenizer_path=tokenizer_path(cfg),
         cache_dir=os.environ.get("NANOTRON_DATA_CACHE", ".cache/data"),
         model_vocab_size=cfg.model.model_config.vocab_size,
+        validation_split=cfg.validation.split if cfg.validation is not None else None,
         barrier=BuilderBarrier(pc.rank == 0, _barrier_store(pc)),
         is_builder=pc.rank == 0,
     )
@@ -201,3 +202,56 @@ class BuilderBarrier:
         while not self.store.check([key]):
             time.sleep(self.POLL_S)
         return json.loads(self.store.get(key))["error"]
+
+
+def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
+    """This dp rank's `ValidationData`, or None without a `validation` section.
+
+    validation.split: the documents `train_data` held out. validation.dataset: its folders,
+    refused when they were tokenized with another tokenizer than the training data (or the
+    config's tokenizer), or hold ids beyond the model's vocabulary.
+    """
+    val = cfg.validation
+    if val is None:
+        return None
+    from nanotron_train.data import DataError
+    from nanotron_train.data.datatrove import open_tokenized_folder
+    from nanotron_train.data.stages import check_weights
+    from nanotron_train.data.validation import ValidationData
+
+    sources = getattr(train_data, "sources", [train_data])  # StagedData: one per stage
+    weights = None
+    if val.split is not None:
+        held_out: dict[str, Any] = {}
+        for source in sources:
+            for folder, part in getattr(source, "held_out", {}).items():
+                held_out.setdefault(folder, part)
+        nanosets = list(held_out.values())
+    else:
+        spec = val.dataset
+        folders = list(spec.dataset_folder or [])
+        vocab = cfg.model.model_config.vocab_size
+        nanosets = [open_tokenized_folder(f, spec, 0, vocab) for f in folders]
+        if spec.dataset_weights is not None:
+            weights = check_weights(spec.dataset_weights, len(folders), "validation.dataset")
+        known = [getattr(s, "tokenizer_sha256", None) for s in sources]
+        expected = next((k for k in known if k is not None), None)
+        for ns in nanosets:
+            sha = ns.metadata.tokenizer.get("sha256")
+            if expected is not None and sha is not None and sha != expected[1]:
+                raise DataError(
+                    f"validation.dataset: {ns.folder} was tokenized with another tokenizer "
+                    f"(sha256 {str(sha)[:12]}) than {expected[0]} ({expected[1][:12]})"
+                )
+    tok = cfg.tokens
+    return ValidationData(
+        nanosets,
+        weights,
+        sequence_length=tok.sequence_length,
+        micro_batch_size=tok.micro_batch_size,
+        batch_accumulation_per_replica=tok.batch_accumulation_per_replica,
+        dp_rank=pc.dp_rank,
+        dp_size=pc.dp_size,
+        limit_batches=tok.limit_val_batches,
+        mask_across_documents=any(getattr(s, "mask_across_documents", False) for s in sources),
+    )

@@ -3,7 +3,8 @@
 The record (one JSON object per logged step, floats at full precision) has: step,
 consumed_tokens, lm_loss, grad_norm, lr, tokens_per_sec, tokens_per_sec_per_gpu,
 time_per_iteration_ms, model_tflops_per_gpu, mfu (null unless the device's peak is known),
-memory (peak bytes: CUDA allocated, or the process's max RSS on CPU), global_batch_size.
+memory (peak bytes: CUDA allocated, or the process's max RSS on CPU), global_batch_size; and
+val_loss, val_ppl on the steps that evaluate (every tokens.val_check_interval and the last).
 
 Sinks of the logging rank: stdout, the JSON lines file, TensorBoard, wandb, and the dashboard
 (`dashboard_sink.py`), which also gets run_start, checkpoints and run_end.
@@ -123,6 +124,9 @@ def format_line(rec: dict[str, Any], train_steps: int) -> str:
         parts.insert(7, f"z_loss: {rec['z_loss']:.4g}")
     if rec["grad_norm"] is not None:
         parts.append(f"grad_norm: {rec['grad_norm']:.4g}")
+    if "val_loss" in rec:  # an evaluation step (evaluation.py)
+        parts.append(f"val_loss: {rec['val_loss']:.4g}")
+        parts.append(f"val_ppl: {rec['val_ppl']:.4g}")
     if rec["mfu"] is not None:
         parts.append(f"mfu: {100 * rec['mfu']:.2f}%")
     parts.append(f"memory: {_human(rec['memory'])}B")

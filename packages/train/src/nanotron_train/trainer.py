@@ -35,6 +35,7 @@ from nanotron_train.checkpoints.hooks import Checkpointing
 from nanotron_train.config import Config
 from nanotron_train.dashboard_sink import checkpoint_run_id
 from nanotron_train.data_source import build_data
+from nanotron_train.evaluation import build_evaluator
 from nanotron_train.fault.nonfinite import stop as nonfinite_stop
 from nanotron_train.fault.session import FaultTolerance
 from nanotron_train.log_levels import configure_logging, prints_step_lines
@@ -126,6 +127,7 @@ class Trainer:
         schedule = build_lr_schedule(opt.learning_rate_scheduler, cfg.tokens.train_steps)
         data = build_data(cfg, pc)
         self.state = TrainState(model, optimizer, schedule, data)
+        self.evaluator = build_evaluator(cfg, pc, model, data)  # None without `validation`
         # Hang watchdog, preemption signals, non-finite policy, loss spikes (fault/).
         self.fault = FaultTolerance(cfg, pc, step=lambda: self.state.step + 1)
         self.trainer_id = self.fault.trainer_id
@@ -237,7 +239,13 @@ class Trainer:
             while self.state.step < self.cfg.tokens.train_steps:
                 rec = self.train_step()
                 records.append(rec)
-                if self.logger is not None and rec["step"] % interval == 0:
+                # not a step about to be rolled back; collective: every rank evaluates
+                due = self.evaluator and self.evaluator.due(
+                    rec["step"], self.cfg.tokens.train_steps
+                )
+                if due and rec.get("nonfinite") != "rollback":
+                    rec.update(self.evaluator.evaluate().metrics())
+                if self.logger is not None and (rec["step"] % interval == 0 or "val_loss" in rec):
                     self.logger.log(rec)
                 if rec.get("nonfinite") == "rollback":
                     self.fault.rolled_back(self.state.step, self.checkpoints.rollback(), self.pc)

@@ -2,10 +2,14 @@
 "use strict";
 (() => {
   const runId = decodeURIComponent(location.pathname.split("/").pop());
-  const DEFAULT_ORDER = ["lm_loss", "grad_norm", "tokens_per_sec", "lr"];
+  const DEFAULT_ORDER = ["lm_loss", "val_loss", "grad_norm", "tokens_per_sec", "lr"];
   const COLORS = ["#2b7de9", "#e9692b", "#2e9d4c", "#9b3fd1", "#d2333f", "#11949b"];
   const MAX_POINTS = 2000;
   const DEFAULT_CHARTS = 12;  // a run may log up to 1000 metrics: more are picked by hand
+  // Series drawn over another chart too: the held-out loss over the training loss.
+  const OVERLAYS = { lm_loss: ["val_loss"] };
+  // The series to fetch and follow live: the charted ones and what is overlaid on them.
+  const followed = () => Array.from(new Set(state.shown.flatMap((n) => [n, ...(OVERLAYS[n] || [])])));
   const $ = (id) => document.getElementById(id);
   const state = { run: null, session: null, charts: {}, data: {}, compare: [], started: null, shown: [] };
   window.__nt = state;  // for debugging in the console and for the browser tests
@@ -29,14 +33,18 @@
     const out = [];
     const o = opt();
     for (const [i, rid] of [runId, ...state.compare].entries()) {
-      const s = (state.data[rid] || {})[name];
-      if (!s) continue;
       const color = COLORS[i % COLORS.length];
-      const label = rid === runId ? (state.run.name || rid) : rid;
-      if (o.smoothing > 0 && s.smooth) {
-        out.push({ label: label + " (raw)", x: s.x, y: s.y, stroke: color + "40" });
-        out.push({ label, x: s.x, y: s.smooth, stroke: color });
-      } else out.push({ label, x: s.x, y: s.y, stroke: color });
+      const runLabel = rid === runId ? (state.run.name || rid) : rid;
+      for (const metric of [name, ...(OVERLAYS[name] || [])]) {
+        const s = (state.data[rid] || {})[metric];
+        if (!s) continue;
+        const label = metric === name ? runLabel : runLabel + " " + metric;
+        const dash = metric === name ? undefined : [6, 4];  // overlaid series: dashed, with points
+        if (o.smoothing > 0 && s.smooth && metric === name) {
+          out.push({ label: label + " (raw)", x: s.x, y: s.y, stroke: color + "40" });
+          out.push({ label, x: s.x, y: s.smooth, stroke: color });
+        } else out.push({ label, x: s.x, y: s.y, stroke: color, dash, metric });
+      }
     }
     return out;
   }
@@ -71,7 +79,9 @@
         width: Math.max(box.clientWidth - 16, 300), height: 240,
         scales: { x: { time: false }, y: { distr: o.log ? 3 : 1 } },
         axes: [{ label: o.x, values: (u, vals) => vals.map(si) }, { values: (u, vals) => vals.map(si), size: 60 }],
-        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: false, width: 1.5 }))],
+        // Overlaid series are sparse by design (a val_loss every N steps): joined, with points.
+        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: !!s.dash, width: 1.5,
+          dash: s.dash, points: { show: !!s.dash } }))],
       }, data, box.querySelector(".plot"));
       entry = state.charts[name] = { plot, box, key };
     }
@@ -90,7 +100,7 @@
 
   async function fetchRun(rid) {
     const o = opt();
-    const q = new URLSearchParams({ max_points: MAX_POINTS, x: o.x, smoothing: o.smoothing, names: state.shown.join(",") });
+    const q = new URLSearchParams({ max_points: MAX_POINTS, x: o.x, smoothing: o.smoothing, names: followed().join(",") });
     const res = await NT.json("/api/runs/" + encodeURIComponent(rid) + "/metrics?" + q);
     state.data[rid] = res.series;
   }
@@ -143,7 +153,7 @@
     const tokensAt = new Map((msg.points.consumed_tokens || []).map((p) => [p[0], p[1]]));
     let needRefetch = false;
     for (const [name, pts] of Object.entries(msg.points)) {
-      if (!state.shown.includes(name)) {  // a metric not charted: only a new one matters
+      if (!followed().includes(name)) {  // a metric not charted: only a new one matters
         if (state.run && !state.run.metric_names.includes(name)) scheduleRunReload();
         continue;
       }

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: stage placement, p2p transfers and the AFAB / 1F1B schedules."""
+"""Pipeline parallelism: stage placement, p2p transfers, the AFAB / 1F1B schedules and the
+forward-only one of evaluation."""
 
 from nanotron_parallel.pipeline.p2p import (
     P2PError,
@@ -19,7 +20,9 @@ from nanotron_parallel.pipeline.schedules import (
     PipelineScheduleError,
     PipelineStats,
     PipelineStepResult,
+    forward_only,
     loss_on_all_pp_ranks,
+    run_forward_only,
     run_pipeline_step,
     train_step_1f1b,
     train_step_afab,
@@ -35,10 +38,12 @@ __all__ = [
     "StageComm",
     "TensorMeta",
     "exchange",
+    "forward_only",
     "loss_on_all_pp_ranks",
     "partition_blocks",
     "pinned_ends",
     "recv_tensor",
+    "run_forward_only",
     "run_pipeline_step",
     "send_tensor",
     "stage_block_names",

@@ -122,7 +122,17 @@ def rank_order(pp: int, v: int, m: int, rank: int) -> list[Action]:
 def plan_interleaved(pp: int, v: int, m: int) -> InterleavedPlan:
     """Simulate all ranks' orders in lock-step slots; see the module docstring."""
     check_interleaved(pp, v, m)
-    orders = [rank_order(pp, v, m, r) for r in range(pp)]
+    return _simulate(pp, v, m, [rank_order(pp, v, m, r) for r in range(pp)])
+
+
+def plan_forward_only(pp: int, v: int, m: int) -> InterleavedPlan:
+    """The plan of an evaluation: each rank's forwards in the training order, no backward."""
+    check_interleaved(pp, v, m)
+    orders = [[a for a in rank_order(pp, v, m, r) if a.kind == FWD] for r in range(pp)]
+    return _simulate(pp, v, m, orders)
+
+
+def _simulate(pp: int, v: int, m: int, orders: list[list[Action]]) -> InterleavedPlan:
     last_vs = pp * v - 1
     arrived: set[tuple[str, int, int, int]] = set()  # (kind, rank, micro_batch, chunk)
     pos = [0] * pp
@@ -280,3 +290,46 @@ def train_step_interleaved_1f1b(
     if run.loss_sum is not None:
         loss = float(run.loss_sum) / len(micro_batches)
     return PipelineStepResult(loss, tracker.stats)
+
+
+def forward_only_interleaved(
+    model: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    weights: Sequence[float],
+) -> torch.Tensor | None:
+    """Evaluation with v chunks per rank: the forwards of `plan_forward_only`, without autograd.
+    Returns sum_i weights[i] * loss_i (float64, on the device) on the rank holding the last
+    virtual stage, None elsewhere, like `schedules.forward_only`."""
+    chunks = list(getattr(model, "chunks", [model]))
+    pp, rank, v = pc.pp_size, pc.pp_rank, len(chunks)
+    plan = plan_forward_only(pp, v, len(micro_batches))
+    if pp > 1 and pc.backend == "nccl":  # as StageComm: the group's first collective first
+        dist.all_reduce(torch.zeros(1, device=pc.device), group=pc.pp_group)
+    received: dict[tuple[int, int], torch.Tensor] = {}
+    total: torch.Tensor | None = None
+    with torch.no_grad():
+        for slot, sent in zip(plan.slots, plan.messages):
+            action, y = slot[rank], None
+            if action is not None:
+                mb, chunk = action.micro_batch, action.chunk
+                x = received.pop((mb, chunk), None)
+                with record_function(f"pp.eval_forward stage={chunk * pp + rank} mb={mb}"):
+                    y = chunks[chunk](x, micro_batches[mb])
+                if chunk == v - 1 and rank == pp - 1:  # the last virtual stage: a loss
+                    term = y.double() * weights[mb]
+                    total = term if total is None else total + term
+            sends, srcs, keys = [], [], []
+            for msg in sent:
+                if msg.src == rank == msg.dst:  # pp = 1: hand over locally
+                    received[msg.micro_batch, msg.chunk] = y
+                elif msg.src == rank:
+                    sends.append((y, pc.pp_ranks[msg.dst]))
+                elif msg.dst == rank:
+                    srcs.append(pc.pp_ranks[msg.src])
+                    keys.append((msg.micro_batch, msg.chunk))
+            if sends or srcs:
+                with record_function("pp.p2p"):
+                    got = exchange_many(sends, srcs, pc.pp_group, pc.device)
+                received.update(zip(keys, got))
+    return total

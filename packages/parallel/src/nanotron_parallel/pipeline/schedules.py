@@ -203,6 +203,51 @@ def train_step_1f1b(
     return _finish(run)
 
 
+def forward_only(
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    weights: Sequence[float],
+) -> torch.Tensor | None:
+    """Evaluation: the forwards of every micro-batch, nothing kept for a backward.
+
+    Returns sum_i weights[i] * loss_i as a float64 tensor on the device of the last stage
+    (None on the other stages); the caller reads it once, so there is no host sync per
+    micro-batch. Stage r receives micro-batch i from r - 1 and sends it to r + 1 in the same
+    order on every stage, so the transfers pair up one by one and cannot deadlock.
+    """
+    if len(micro_batches) == 0:
+        raise PipelineScheduleError("an evaluation step needs at least one micro-batch, got 0")
+    comm = StageComm.from_context(pc)
+    total: torch.Tensor | None = None
+    with torch.no_grad():
+        for i, batch in enumerate(micro_batches):
+            x = comm.recv_forward()
+            with record_function(f"pp.eval_forward stage={comm.stage} mb={i}"):
+                y = stage(x, batch)
+            if pc.is_last_stage:
+                term = y.double() * weights[i]
+                total = term if total is None else total + term
+            else:
+                comm.send_forward(y)
+    return total
+
+
+def run_forward_only(
+    engine: str,
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    weights: Sequence[float],
+) -> torch.Tensor | None:
+    """The forward-only twin of `run_pipeline_step`: the model layout of `engine`, no grads."""
+    if engine == "interleaved-1f1b":
+        from nanotron_parallel.pipeline.interleaved import forward_only_interleaved
+
+        return forward_only_interleaved(stage, micro_batches, pc, weights)
+    return forward_only(stage, micro_batches, pc, weights)
+
+
 ENGINES: dict[str, Callable[..., PipelineStepResult]] = {
     "afab": train_step_afab,
     "1f1b": train_step_1f1b,

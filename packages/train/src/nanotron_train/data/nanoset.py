@@ -128,7 +128,7 @@ class Nanoset:
                     f"{path}: {len(ends)} document ends disagree with num_documents "
                     f"{self.metadata.num_documents} in {self.folder / METADATA_FILE}"
                 )
-            if len(ends) and int(ends[-1]) != self.num_tokens:
+            if len(ends) and int(ends[-1]) != self.metadata.num_tokens:
                 raise DataError(f"{path}: last document end {int(ends[-1])} != num_tokens")
             self._doc_ends = ends
         return self._doc_ends

@@ -27,6 +27,7 @@ from nanotron_train.data.datatrove import keep_first_tokens, open_tokenized_fold
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.nanoset import Nanoset
 from nanotron_train.data.sampler import ShuffledSamples
+from nanotron_train.data.split import split_by_documents
 from nanotron_train.data.stages import (
     StageSpec,
     check_weights,
@@ -61,6 +62,7 @@ class TrainData:
         cache_dir: str,
         model_vocab_size: int,
         mask_across_documents: bool = False,
+        validation_split: float | None = None,
         barrier: Callable[[], None] | None = None,
         is_builder: bool = True,
     ):
@@ -81,6 +83,9 @@ class TrainData:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.global_batch_size = micro_batch_size * batch_accumulation_per_replica * dp_size
         self.mask_across_documents = mask_across_documents
+        self.validation_split = validation_split
+        # folder -> its held-out validation part (validation.split), each folder once
+        self.held_out: dict[str, Nanoset] = {}
         tok_sha = None
         if tokenizer_path:
             try:
@@ -96,6 +101,15 @@ class TrainData:
             for i, s in enumerate(stages)
         ]  # fmt: skip
         self._specs = list(stages)
+        # (what, sha256) of the tokenizer of this data: a validation folder must match it.
+        # None when unknown (a datatrove folder records a tokenizer name, not a hash).
+        first = self._stages[0].nanosets[0]
+        first_sha = first.metadata.tokenizer.get("sha256")
+        self.tokenizer_sha256 = (
+            (f"the tokenizer {tokenizer_path}", tok_sha) if tok_sha
+            else (f"the training data {first.folder}", str(first_sha)) if first_sha is not None
+            else None
+        )  # fmt: skip
         # Position: everything below is what state_dict saves.
         self.consumed_samples = 0
         self._step = 0  # the last step served
@@ -131,6 +145,12 @@ class TrainData:
         nanosets = [open_tokenized_folder(f, ds, spec.seed, vocab) for f in folders]
         for ns, limit in zip(nanosets, ds.dataset_max_tokens or []):
             keep_first_tokens(ns, limit)
+        if self.validation_split is not None:  # train on the kept documents only (split.py)
+            seq = spec.sequence_length or self.sequence_length
+            parts = [split_by_documents(ns, self.validation_split, seq) for ns in nanosets]
+            nanosets = [train for train, _ in parts]
+            for ns, (_, val) in zip(nanosets, parts):
+                self.held_out.setdefault(str(Path(ns.folder).resolve()), val)
         samplers = []
         seq = spec.sequence_length or self.sequence_length
         for d, ns in enumerate(nanosets):

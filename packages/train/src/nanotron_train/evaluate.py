@@ -1,0 +1,163 @@
+"""`torchrun --nproc_per_node=N -m nanotron_train.evaluate --ckpt-path CKPT --dataset-folder DIR`
+
+Measures a checkpoint (saved in any layout) on held-out Nanoset folders at tp = N, pp = 1: the
+token-weighted loss over the validation set, its perplexity and the tokens evaluated. The
+samples, their order and the batch size are those of training's evaluation (data/validation.py,
+one batch = the run's global batch), so `--limit-batches B` measures what
+`tokens.limit_val_batches: B` measured during training, and the same val_loss comes out.
+`--split F` evaluates the documents a run with `validation.split: F` held out of DIR.
+`python -m nanotron_train.evaluate ...` runs one process; `--json` prints one JSON object.
+A user error (a folder tokenized with another tokenizer than the checkpoint's, ids beyond its
+vocabulary, a bad checkpoint) prints one line from rank 0 and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m nanotron_train.evaluate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--ckpt-path", required=True, help="a checkpoint step folder or checkpoints root"
+    )
+    p.add_argument(
+        "--dataset-folder", required=True, action="append", help="a Nanoset folder (repeatable)"
+    )
+    p.add_argument(
+        "--limit-batches", type=int, default=0, help="validation batches to evaluate (0 = all)"
+    )
+    p.add_argument("--split", type=float, help="evaluate only the held-out documents of a split")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return p.parse_args(argv)
+
+
+def expected_tokenizer(ckpt) -> tuple[str, str] | None:
+    """(what, sha256) of the tokenizer the checkpoint was trained with: its config's tokenizer,
+    else its training folders' metadata; None for a run on synthetic data (nothing to match)."""
+    from nanotron_train.data import DataError, Nanoset, load_tokenizer
+
+    if ckpt.tokenizer_path:
+        try:
+            return f"the checkpoint's tokenizer {ckpt.tokenizer_path}", load_tokenizer(
+                ckpt.tokenizer_path
+            ).sha256
+        except DataError:
+            pass  # not on this machine: the training folders name it too
+    folders = []
+    for stage in ckpt.train_config.get("data_stages") or []:
+        dataset = ((stage or {}).get("data") or {}).get("dataset") or {}
+        found = dataset.get("dataset_folder") or []
+        folders += [found] if isinstance(found, str) else list(found)
+    for folder in folders:
+        try:
+            sha = Nanoset(folder).metadata.tokenizer.get("sha256")
+        except DataError:
+            continue
+        return f"the checkpoint's training data {folder}", str(sha)
+    if ckpt.tokenizer_path or folders:
+        raise DataError(
+            f"cannot tell which tokenizer {ckpt.folder} was trained with: neither its tokenizer "
+            f"{ckpt.tokenizer_path!r} nor its training folders {folders} are readable here"
+        )
+    return None
+
+
+def run(args: argparse.Namespace, pc) -> dict:
+    """Evaluate on every rank of `pc` (tp ranks only); returns the report (same on all ranks)."""
+    from nanotron_train.data import DataError, Nanoset
+    from nanotron_train.data.split import split_by_documents
+    from nanotron_train.data.validation import ValidationData
+    from nanotron_train.evaluation import Evaluator
+    from nanotron_train.model_io import load_model, open_checkpoint
+
+    ckpt = open_checkpoint(args.ckpt_path)
+    tokens = ckpt.train_config.get("tokens") or {}
+    dp = int((ckpt.train_config.get("parallelism") or {}).get("dp", 1))
+    try:
+        seq, mbs = int(tokens["sequence_length"]), int(tokens["micro_batch_size"])
+        accum = int(tokens["batch_accumulation_per_replica"])
+    except (KeyError, TypeError, ValueError):
+        raise DataError(
+            f"{ckpt.folder / 'config.yaml'}: no tokens section to size the batches"
+        ) from None
+    expected = expected_tokenizer(ckpt)
+    nanosets = []
+    for folder in args.dataset_folder:
+        ns = Nanoset(folder, model_vocab_size=ckpt.model_config.vocab_size)
+        sha = str(ns.metadata.tokenizer.get("sha256"))
+        if expected is not None and sha != expected[1]:
+            raise DataError(
+                f"{folder} was tokenized with another tokenizer (sha256 {sha[:12]}) than "
+                f"{expected[0]} ({expected[1][:12]})"
+            )
+        nanosets.append(split_by_documents(ns, args.split, seq)[1] if args.split else ns)
+    data = ValidationData(
+        nanosets,
+        None,
+        sequence_length=seq,
+        micro_batch_size=mbs,
+        batch_accumulation_per_replica=accum * dp,  # one batch = the run's global batch
+        dp_rank=0,
+        dp_size=1,
+        limit_batches=args.limit_batches,
+    )
+    model = load_model(ckpt, pc)
+    result = Evaluator(model, pc, "1f1b", data).evaluate()
+    return {
+        "checkpoint": str(ckpt.folder),
+        "step": ckpt.step,
+        "dataset_folder": list(args.dataset_folder),
+        "val_loss": result.loss,
+        "val_ppl": result.ppl,
+        "tokens": result.tokens,
+        "batches": data.num_batches,
+        "samples": data.num_samples,
+        "tp": pc.tp_size,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pc = None
+    try:
+        if args.limit_batches < 0:
+            raise ValueError(f"--limit-batches must be >= 0 (0 = all), got {args.limit_batches}")
+        from nanotron_parallel.context import ParallelContext
+
+        pc = ParallelContext(dp=1, tp=world, pp=1)
+        with torch.no_grad():
+            report = run(args, pc)
+    except ValueError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if pc is not None:
+            pc.destroy()
+    if rank == 0:
+        if args.json:
+            print(json.dumps(report), flush=True)
+        else:
+            print(
+                f"checkpoint: {report['checkpoint']} (step {report['step']}) | "
+                f"val_loss: {report['val_loss']:.6g} | val_ppl: {report['val_ppl']:.6g} | "
+                f"tokens: {report['tokens']} | batches: {report['batches']} (tp={report['tp']})",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
