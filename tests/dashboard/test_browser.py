@@ -90,7 +90,7 @@ def test_run_list_and_run_page(browser, live_dashboard, tmp_path):
     overlay = page.evaluate(
         """() => { const p = window.__nt.charts.lm_loss.plot;
                    const i = p.series.findIndex((s) => s.label.endsWith(' val_loss'));
-                   return i < 0 ? null : p.data[0].flatMap((x, k) => p.data[i][k] === null ? []
+                   return i < 0 ? null : p.data[0].flatMap((x, k) => p.data[i][k] == null ? []
                                                              : [[x, p.data[i][k]]]); }"""
     )
     assert overlay == [[s, 12.0 / s] for s in range(50, 301, 50)], overlay

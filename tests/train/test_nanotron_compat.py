@@ -77,6 +77,7 @@ REFUSALS = {
     "data_stages.data.dataset.use_old_brrr_dataloader": True,
     "data_stages.data.dataset.sft_dataloader": True,
     "data_stages.data.dataset.debug_max_samples": 10,
+    "tokens.limit_test_batches": 2,
 }
 
 

@@ -79,8 +79,8 @@
         width: Math.max(box.clientWidth - 16, 300), height: 240,
         scales: { x: { time: false }, y: { distr: o.log ? 3 : 1 } },
         axes: [{ label: o.x, values: (u, vals) => vals.map(si) }, { values: (u, vals) => vals.map(si), size: 60 }],
-        // Overlaid series are sparse by design (a val_loss every N steps): joined, with points.
-        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: !!s.dash, width: 1.5,
+        // Overlaid series are sparse by design (a val_loss every N steps): points shown.
+        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: false, width: 1.5,
           dash: s.dash, points: { show: !!s.dash } }))],
       }, data, box.querySelector(".plot"));
       entry = state.charts[name] = { plot, box, key };
