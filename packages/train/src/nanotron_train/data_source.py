@@ -219,7 +219,8 @@ def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
     from nanotron_train.data.stages import check_weights
     from nanotron_train.data.validation import ValidationData
 
-    sources = getattr(train_data, "sources", [train_data])  # StagedData: one per stage
+    inner = getattr(train_data, "source", train_data)  # Prefetched wraps the source
+    sources = getattr(inner, "sources", [inner])  # StagedData: one per stage
     weights = None
     if val.split is not None:
         held_out: dict[str, Any] = {}
