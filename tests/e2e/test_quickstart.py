@@ -72,4 +72,4 @@ def test_quickstart_config_and_command():
     assert (par.dp, par.tp, par.pp) == (2, 1, 2)  # two parallel dimensions at once
     assert cfg.model.model_config.vocab_size >= 4096  # the default corpus's BPE
     assert cfg.logging.dashboard_url == "http://127.0.0.1:8008"
-    assert cfg.data_stages[0].data.dataset["dataset_folder"] == str(nanoset)
+    assert cfg.data_stages[0].data.dataset.dataset_folder == [str(nanoset)]

@@ -160,7 +160,7 @@ class CheckpointsArgs:
 class DataArgs:
     dataset: DatasetSpec | None = None  # None = synthetic tokens (Nanotron's dummy data)
     seed: int = 42
-    num_loading_workers: int = 1  # threads preparing the next step's batch (0: none)
+    num_loading_workers: int = 1  # steps prepared ahead by a background thread (0: none)
 
 
 @dataclass
