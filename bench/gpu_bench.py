@@ -122,7 +122,8 @@ def tp_bytes_rank(layers: int, hidden: int, seq: int, mbs: int, m: int) -> dict:
                     "num_key_value_heads": 2,
                     "vocab_size": 512,
                     "max_position_embeddings": seq,
-                }
+                },
+                "dtype": "float32",  # the byte formula counts 4-byte activations
             },  # fmt: skip
             "tokens": {
                 "sequence_length": seq,

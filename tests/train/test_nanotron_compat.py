@@ -71,7 +71,6 @@ REFUSALS = {
     "parallelism.expert_parallel_size": 2,
     "parallelism.context_parallel_size": 2,
     "model.init_method.use_mup": True,
-    "model.init_method.path": "/some/checkpoint",
     "tokenizer.tokenizer_max_length": 2048,
     "data_stages.data.dataset.hf_dataset_config_name": "en",
     "data_stages.data.dataset.use_old_brrr_dataloader": True,

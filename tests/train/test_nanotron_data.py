@@ -246,6 +246,18 @@ def test_from_nanotron_imports_weights_step_and_config(tmp_path):
     # the LR schedule continues: cosine from 3e-4 to 1e-5 over 13 steps after 2 of warm-up
     expected = 1e-5 + (3e-4 - 1e-5) * 0.5 * (1 + math.cos(math.pi * (11 - 2) / 13))
     assert records[0]["lr"] == pytest.approx(expected)
+    # init_method.path (ExistingCheckpointInit): a fresh run from the Nanotron weights, or ours
+    from nanotron_train.trainer import Trainer
+
+    for source in (tmp_path / "nt" / "10", out):
+        fresh = dict(raw, general={**raw["general"], "step": None, "consumed_train_samples": None})
+        fresh["checkpoints"] = {"checkpoints_path": None}
+        fresh["model"] = {**raw["model"], "init_method": {"path": str(source)}}
+        tr = Trainer(config_from_dict(fresh), ParallelContext(1, 1, 1), stream=io.StringIO())
+        params = dict(tr.state.model.named_parameters())
+        assert all(torch.equal(params[n], original[n]) for n in got)
+        assert tr.train_step()["step"] == 1  # step 0: only the weights come from it
+        tr.close()
     with pytest.raises(SystemExit):
         convert_main(["from-nanotron", "--out", str(out)])
     bad = convert_main(["from-nanotron", "--nanotron-path", str(tmp_path), "--out", str(out)])

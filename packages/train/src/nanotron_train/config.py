@@ -73,7 +73,7 @@ class InitMethod:
     # NUM_LAYERS = std / sqrt(2 * num_hidden_layers), NONE = std.
     scaling_method: Literal["NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE"] = "NUM_LAYERS"
     use_mup: bool | None = None
-    path: str | None = None
+    path: str | None = None  # start from this checkpoint's weights (ours or Nanotron's), step 0
 
 
 @dataclass

@@ -141,15 +141,12 @@ CHECKS: tuple[Check, ...] = (
     ),
     at_least("model.make_vocab_size_divisible_by", 1),
     refused("model.init_method.use_mup", lambda v: not v, "spectral muP initialisation"),
-    refused(
-        "model.init_method.path",
-        lambda v: v is None,
-        "initialising from an existing Nanotron checkpoint (convert it with `python -m "
-        "nanotron_train.convert from-nanotron`, then resume from the result)",
-    ),
     Check(
         "model.init_method.std",
-        lambda c: c.model.init_method.std is not None and c.model.init_method.std > 0,
+        lambda c: (
+            bool(c.model.init_method.path)
+            or (c.model.init_method.std is not None and c.model.init_method.std > 0)
+        ),
         lambda c: f"must be > 0, got {c.model.init_method.std}",
     ),
     Check(

@@ -38,6 +38,7 @@ from nanotron_train.data_source import build_data
 from nanotron_train.evaluation import build_evaluator
 from nanotron_train.fault.nonfinite import stop as nonfinite_stop
 from nanotron_train.fault.session import FaultTolerance
+from nanotron_train.initial_weights import load_initial_weights
 from nanotron_train.log_levels import configure_logging, prints_step_lines
 from nanotron_train.lr_schedule import LRSchedule, build_lr_schedule
 from nanotron_train.metrics import (
@@ -93,6 +94,10 @@ class Trainer:
         torch.manual_seed(cfg.general.seed)
         random.seed(cfg.general.seed)
         model = build_train_model(cfg, pc)  # perf.py: v chunks, recompute, async tp, compile
+        init_path = cfg.model.init_method.path
+        if init_path and not cfg.checkpoints.resume_checkpoint_path:  # ExistingCheckpointInit
+            mc = padded_model_config(cfg)
+            load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
         named = list(model.named_parameters())
         self.named_params = named
         self.tied = tied_parameters(model, pc)  # collective when pp > 1

@@ -1,0 +1,67 @@
+"""`model.init_method.path` (Nanotron's ExistingCheckpointInit): start a run from the weights of
+an existing checkpoint, ours or Nanotron's, with a fresh optimizer, LR schedule and data
+position at step 0 (a resume, by contrast, continues all of them).
+
+Every rank reads the full tensors and keeps its own tp shard of the parameters of its
+pipeline stage, so the checkpoint's layout does not matter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nanotron_models.hf import shard_full_state_dict
+from nanotron_train.checkpoints.errors import CheckpointError
+
+_GLOBAL = re.compile(r"(embedding\.weight|final_norm\.weight|lm_head\.weight|decoder\.\d+\..+)$")
+
+
+def _is_nanotron(folder: Path) -> bool:
+    meta = folder / "checkpoint_metadata.json"
+    try:
+        return "metas" in json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def read_full_weights(path: str, tied: bool) -> dict[str, torch.Tensor]:
+    """Our global names -> full tensors, from our checkpoint or a Nanotron one."""
+    from nanotron_train import nanotron_checkpoint as nt
+
+    folder = Path(path)
+    if (folder / "latest.txt").is_file() and not (folder / "checkpoint_metadata.json").exists():
+        folder = folder / (folder / "latest.txt").read_text().strip()
+    if _is_nanotron(folder):
+        return nt.to_our_names(nt.read_weights(folder), tied)
+    from nanotron_train.model_io import full_model_tensors, open_checkpoint
+
+    full = full_model_tensors(open_checkpoint(folder))
+    if tied or "lm_head.weight" not in full:
+        full["lm_head.weight"] = full["embedding.weight"]
+    return full
+
+
+@torch.no_grad()
+def load_initial_weights(model: nn.Module, path: str, model_config, tp_rank: int, tp_size: int):
+    """Copy this rank's shards of the checkpoint's weights into `model`; returns how many."""
+    full = read_full_weights(path, model_config.tie_word_embeddings)
+    count = 0
+    for name, param in model.named_parameters():
+        match = _GLOBAL.search(name)
+        key = match.group(1) if match else name
+        if key not in full:
+            raise CheckpointError(f"model.init_method.path {path}: it has no weights for {key}")
+        shard = shard_full_state_dict({key: full[key]}, model_config, tp_rank, tp_size)[key]
+        if shard.shape != param.shape:
+            raise CheckpointError(
+                f"model.init_method.path {path}: {key} has shape {tuple(full[key].shape)}, "
+                "which does not fit model.model_config"
+            )
+        param.copy_(shard.to(param.dtype))
+        count += 1
+    return count
