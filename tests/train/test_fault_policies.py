@@ -125,6 +125,13 @@ def test_nonfinite_rollback_reloads_last_checkpoint_and_skips_the_data(tmp_path)
     state = json.loads((ck / "6" / "data_state.json").read_text())
     assert state["data_step_offset"] == 1 and (ck / "latest.txt").read_text().strip() == "6"
 
+    # Non-finite whatever the data: three rollbacks to step 4, then a stop.
+    raw = config(tmp_path / "ck2", 6, fault_tolerance={"nonfinite_policy": "rollback"})
+    with pytest.raises(
+        TrainingStopped, match="again after 3 rollbacks to the checkpoint of step 4"
+    ):
+        train(raw, {s: math.nan for s in range(5, 20)})
+
 
 def test_loss_spike_detector_uses_a_robust_window():
     det = LossSpikeDetector(window=10, threshold=6.0)

@@ -29,6 +29,9 @@ def resume_folder(resume: str | None, checkpoints_path: str | None) -> Path | No
     return resolve_checkpoint(resume, checkpoints_path)
 
 
+MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3  # then the divergence is not a bad batch: stop
+
+
 class Checkpointing:
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -36,6 +39,7 @@ class Checkpointing:
         self.ck = ck
         self.last_saved: int | None = None  # the step of the last save started (or resumed)
         self.writer = None
+        self._rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
         if ck.async_save and ck.checkpoints_path:
             timeout = trainer.cfg.parallelism.collective_timeout_s
             store = shared_store(f"ckpt{trainer.trainer_id}")
@@ -139,6 +143,15 @@ class Checkpointing:
                 f"{self.ck.checkpoints_path} (fault_tolerance.nonfinite_policy: rollback)"
             )
         s = t.state
+        bad_step = s.step
+        back_to = int(folder.name)
+        self._rollbacks[back_to] = self._rollbacks.get(back_to, 0) + 1
+        if self._rollbacks[back_to] > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+            raise TrainingStopped(
+                f"non-finite values at step {bad_step} again after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT}"
+                f" rollbacks to the checkpoint of step {back_to}, each skipping more data "
+                "(fault_tolerance.nonfinite_policy: rollback)"
+            )
         data_state, served = s.data.state_dict(), s.step + s.data_step_offset
         load_checkpoint(folder, s, t.cfg, t.pc, t.zero_stage)
         s.data.load_state_dict(data_state)

@@ -1,9 +1,8 @@
 """Hang watchdog: a collective or p2p blocked past the timeout fails every rank, saying who hung.
 
 Zero cost in the training step: a daemon thread samples the main thread's Python stack once a
-poll. The frame that calls into a blocking collective stays the *same frame object* at the same
-instruction while it waits (CPython keeps one frame object per running call, and we hold a
-reference, so a later call can never reuse it). Blocked that way in communication code
+poll. The frame that calls into a blocking collective stays the same frame (same address, code
+and instruction) while it waits, within the same step. Blocked that way in communication code
 (torch.distributed or nanotron_parallel) for longer than `timeout_s`, the rank:
   1. writes every thread's stack to `<stack_dump_dir>/stacks-rank<R>.txt` (faulthandler);
   2. reads the others' heartbeats from the shared store to find the rank that did not arrive:
@@ -108,14 +107,16 @@ class HangWatchdog:
 
     # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        held: FrameType | None = None  # the innermost frame, kept alive so its id stays its own
-        lasti, since = -1, time.monotonic()
+        seen: tuple | None = None
+        since = time.monotonic()
         while not self._stop.wait(self.poll_s):
             frame = sys._current_frames().get(self._main)
             frames = _stack(frame)
             now = time.monotonic()
-            if frame is not held or frame.f_lasti != lasti:
-                held, lasti, since = frame, frame.f_lasti if frame else -1, now
+            # Not the frame itself: holding it would keep a finished call's tensors alive.
+            where = (id(frame), frame.f_lasti, frame.f_code) if frame is not None else None
+            if (where, self.step()) != seen:
+                seen, since = (where, self.step()), now
             blocked = frames and in_communication(frames)
             waited = now - since if blocked else 0.0
             self._heartbeat(phase_of(frames) if frames else "idle", waited)
