@@ -151,3 +151,30 @@ def test_page_stays_fluid_with_100k_steps(browser, live_dashboard):
     assert points <= 2000, points  # downsampled: the browser never holds the 100k points
     assert elapsed < 10, elapsed
     page.close()
+
+
+def test_nan_is_shown_as_a_badge_and_a_gap(browser, live_dashboard):
+    """Issue 13: NaN/inf values are training events: stored, a badge on the run, a gap in the
+    line (not bridged), and listed under the chart."""
+    d = live_dashboard
+    d.post("/api/ingest", {"type": "run_start", "run_id": "br-nan", "name": "nan run"})
+    d.post(
+        "/api/ingest",
+        [
+            {"type": "metrics", "run_id": "br-nan", "step": s, "values": {"lm_loss": v}}
+            for s, v in ((1, 3.0), (2, "nan"), (3, 2.0), (4, 1.5))
+        ],
+    )
+    page = browser.new_page()
+    page.goto(d.url + "/")
+    badge = page.locator('tr[data-run-id="br-nan"] .badge.nan')
+    badge.wait_for(timeout=10_000)
+    assert badge.inner_text() == "NaN @ 2"
+    page.goto(d.url + "/runs/br-nan")
+    page.locator('.chart[data-metric="lm_loss"] canvas').wait_for(timeout=10_000)
+    assert page.locator("#run-status .badge.nan").inner_text() == "NaN @ 2"
+    ys = page.evaluate("() => window.__nt.charts.lm_loss.plot.data[1]")
+    assert ys == [3.0, None, 2.0, 1.5]
+    assert page.evaluate("() => window.__nt.charts.lm_loss.plot.series[1].spanGaps") is False
+    assert "step 2 = NaN" in page.locator('.chart[data-metric="lm_loss"] .nonfinite').inner_text()
+    page.close()

@@ -17,7 +17,7 @@ from .db import delete_run
 from .errors import DashboardError
 from .launch import AlreadyRunning
 from .security import require_csrf
-from .writer import is_disk_full, upsert_checkpoint
+from .store import is_disk_full, upsert_checkpoint
 
 router = APIRouter()
 STATIC = Path(__file__).parent / "static"

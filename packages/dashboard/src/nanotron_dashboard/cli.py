@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         ws_max_size=4 * MAX_MESSAGE_BYTES,
         ws_max_queue=4,  # frames buffered per connection while the writer pushes back
-        ws_ping_interval=20,
+        # no server pings: while the writer pushes back a connection is not read, so a pong
+        # would go unseen and a healthy trainer be cut off; heartbeats show dead ones (stalled)
+        ws_ping_interval=None,
     )
     for name in ("uvicorn.access", "uvicorn.error"):  # after Config has set logging up
         logging.getLogger(name).addFilter(RedactTokens())

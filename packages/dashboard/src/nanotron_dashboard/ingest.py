@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from .messages import MAX_MESSAGE_BYTES, MessageError, RunStart, parse_messages
-from .writer import refusal
+from .store import refusal
 
 router = APIRouter()
 RETRY_AFTER_S = 1
