@@ -254,11 +254,18 @@ def test_finding9_memory_is_bounded_in_bytes(c, tmp_path):
         r = q.post("/api/ingest", content=json.dumps(msg))
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert writer.queued_bytes == 60 << 10
-        gate.set()
+        # over the websocket the message waits for room instead (its ack comes later)
+        with q.websocket_connect(WS + "/ws/ingest") as ws:
+            ws.send_text(json.dumps(msg[:300] + [{"type": "heartbeat", "run_id": "q", "ack": 3}]))
+            time.sleep(0.5)
+            assert writer.queued_bytes <= 64 << 10  # not grown past the budget meanwhile
+            gate.set()
+            assert ws.receive_json() == {"ok": True, "type": "ack", "ack": 3}
         deadline = time.monotonic() + 20
         while app.state.writer.queued_bytes and time.monotonic() < deadline:
             time.sleep(0.05)
         assert q.post("/api/ingest", content=json.dumps(msg)).status_code == 200
+        assert q.get("/api/runs/q").json()["step"] == 499
 
 
 def test_finding10_corrupt_file_second_server_and_full_disk(tmp_path, caplog):

@@ -227,3 +227,20 @@ def test_urls_and_env_override(monkeypatch):
         assert c.ws_url.endswith("/ws/ingest") and "ignored" not in c.ws_url and c.token == "t"
     finally:
         c.close(timeout=0.5)
+
+
+def test_refused_messages_are_logged_once_and_never_block(live_dashboard, tmp_path, caplog):
+    """Issue 13: a message out of the protocol's bounds gets an error frame; the client counts
+    it, logs one line (not one per step) and goes on; the connection stays up."""
+    c = DashboardClient(live_dashboard.url, run_id="refused-1", heartbeat_s=0.5)
+    start_run(c, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="nanotron_train.dashboard"):
+        for step in range(1, 21):
+            c.metrics(step, {"lm_loss": 1.0, "x" * 201: 2.0})  # a name over 200 characters
+        c.metrics(21, {"lm_loss": 0.5})
+        c.close()
+    assert c.refused == 20
+    lines = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 1 and "at most 200 characters" in lines[0].getMessage()
+    run = live_dashboard.get("/api/runs/refused-1")
+    assert run["step"] == 21 and run["metric_names"] == ["lm_loss"]

@@ -89,6 +89,8 @@ class DashboardClient:
         self._warned = False
         self._ws: Any = None
         self.sent = 0  # messages sent (for tests and the final log line)
+        self.refused = 0  # messages the dashboard refused (error frames)
+        self._refusal_logged = -1e9
         self._thread = threading.Thread(target=self._loop, name="dashboard-client", daemon=True)
         self._thread.start()
 
@@ -332,8 +334,21 @@ class DashboardClient:
             self._log_reply(json.loads(raw))
 
     def _log_reply(self, reply: dict[str, Any]) -> None:
-        if reply.get("ok") is False:
-            log.warning("dashboard refused a message: %s", reply.get("error"))
+        """A refusal (4xx: a message out of the protocol's bounds) is logged, at most once a
+        minute: a metric refused at every step must not flood the training log."""
+        if reply.get("ok") is not False:
+            return
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged >= 60.0:
+            self._refusal_logged = now
+            log.warning(
+                "dashboard refused a message (HTTP-like status %s): %s (%d refused so far; "
+                "training continues)",
+                reply.get("status"),
+                reply.get("error"),
+                self.refused,
+            )
 
     def _disconnect(self, err: Exception | None) -> None:
         if err is not None:
