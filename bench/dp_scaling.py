@@ -41,7 +41,7 @@ def bench_config(dp: int, steps: int) -> dict:
             "train_steps": steps,
         },
         "optimizer": {"learning_rate_scheduler": {"learning_rate": 1e-3}, "clip_grad": 1.0},
-        "logging": {"iteration_step_info_interval": 1000},
+        "logging": {"iteration_step_info_interval": 1},
     }
 
 
@@ -51,7 +51,9 @@ def measure(dp: int, steps: int, warmup: int) -> float:
     from nanotron_train.trainer import train
 
     torch.set_num_threads(1)
-    records = train(config_from_dict(bench_config(dp, steps), "bench"), stream=io.StringIO())
+    records: list[dict] = []
+    cfg = config_from_dict(bench_config(dp, steps), "bench")
+    train(cfg, stream=io.StringIO(), on_record=records.append)
     timed = records[warmup:]
     tokens = sum(r["tokens_per_sec"] * r["time_per_iteration_ms"] / 1000 for r in timed)
     seconds = sum(r["time_per_iteration_ms"] / 1000 for r in timed)

@@ -40,7 +40,7 @@ def gpu_config(attn: str, recompute: bool, steps: int) -> object:
             f"tokens.train_steps={steps}",
             "checkpoints.checkpoints_path=null",
             "logging.metrics_file=null",
-            "logging.iteration_step_info_interval=10",
+            "logging.iteration_step_info_interval=1",
         ],
         world_size=1,
     )
@@ -56,7 +56,8 @@ def run_one(attn: str, recompute: bool) -> dict:
     pc = ParallelContext()
     try:
         trainer = Trainer(cfg, pc, stream=io.StringIO())
-        records = trainer.train()
+        records: list[dict] = []
+        trainer.train(on_record=records.append)
     finally:
         pc.destroy()
     seq = cfg.tokens.sequence_length

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from models_helpers import hf_model, hf_reference, rel_err, tiny_config
 
-from nanotron_models import KVCache, build_llama, full_state_dict, greedy_generate
+from nanotron_models import KVCache, build_llama, full_state_dict
 from nanotron_models.hf import hf_state_dict_to_ours, our_full_state_dict_to_hf
 from nanotron_parallel.testing import run_distributed
+from nanotron_train.decoding import generate
 
 INIT_SEED = 123
 PROMPT, NEW_TOKENS = 5, 6
@@ -51,7 +52,9 @@ def _tp_worker(cases: dict) -> dict:
         steps += [model.logits(ids[:, i : i + 1], kv_cache=cache) for i in range(PROMPT, 8)]
         steps.append(model.logits(ids[:, 8:], kv_cache=cache))
         cached_err = rel_err(torch.cat(steps, dim=1), logits)
-        tokens = greedy_generate(model, ids[:, :PROMPT], NEW_TOKENS)
+        prompt = ids[:, :PROMPT]
+        new = generate(model, prompt.tolist(), NEW_TOKENS).tokens  # greedy
+        tokens = torch.cat((prompt, torch.tensor(new)), dim=1)
         out[tie] = {
             "logits": logits,
             "loss": loss.detach(),

@@ -119,7 +119,9 @@ def _schedule_worker(dp: int, pp: int, cases: list[tuple[str, int, bool]]) -> li
         # before the first (m = 1) backward, i.e. right before the last micro-batch's backward.
         calls: list[bool] = []
         hook = functools.partial(_record_no_grad_yet, stage, calls)
-        result = run_pipeline_step(engine, stage, _micro_batches(m), pc, on_last_backward=hook)
+        result = run_pipeline_step(
+            engine, stage, _micro_batches(m), pc, on_last_backward=hook, track_activations=True
+        )
         if tied and m == 3:  # as under data parallel: gradients in main_grad buffers
             for p in stage.parameters():
                 p.main_grad, p.grad = p.grad, None
@@ -128,7 +130,7 @@ def _schedule_worker(dp: int, pp: int, cases: list[tuple[str, int, bool]]) -> li
             for p in stage.parameters():
                 p.grad = p.main_grad
         ref_loss, ref_grads = _reference(n, m, tied)
-        loss = loss_on_all_pp_ranks(result.loss, pc)
+        loss = float(loss_on_all_pp_ranks(result.loss_tensor, pc))
         assert result.loss is None or abs(result.loss - loss) == 0.0
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
         for name, grad in _grads_by_name(stage).items():

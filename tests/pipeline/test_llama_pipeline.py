@@ -95,9 +95,9 @@ def _run_layout(pc_ref, dp: int, tp: int, pp: int, layers: int, cases: list[tupl
         )
         stage = build_llama_stage(config, pc, names, tp_mode=tp_mode, seed=SEED)
         batches = _micro_batches(m, config.vocab_size)
-        result = run_pipeline_step(engine, stage, batches, pc)
+        result = run_pipeline_step(engine, stage, batches, pc, track_activations=True)
         sync_tied_gradients(stage, pc)
-        loss = loss_on_all_pp_ranks(result.loss, pc)
+        loss = float(loss_on_all_pp_ranks(result.loss_tensor, pc))
         grads = full_state_dict(stage, grads=True)
 
         ref_loss, ref_grads = _reference(config, pc_ref, batches)

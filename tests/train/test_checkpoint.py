@@ -76,7 +76,8 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
             cfg = config_from_dict(raw, "test", world_size=None)
             pc = ParallelContext(dp=lay["dp"], tp=lay["tp"], pp=lay["pp"])
             try:
-                records = Trainer(cfg, pc, stream=io.StringIO()).train()
+                records: list[dict] = []
+                Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
             finally:
                 dist.barrier()
                 pc.destroy()

@@ -107,7 +107,7 @@ def _finetune_config(ckpt: Path, tp: int) -> dict:
         "optimizer": {"learning_rate_scheduler": {"learning_rate": 1e-3}},
         "checkpoints": {"checkpoints_path": None, "resume_checkpoint_path": str(ckpt)},
         "data_stages": [{"name": "s", "start_training_step": 1, "data": {"dataset": None, "seed": 4}}],
-        "logging": {"iteration_step_info_interval": 100},
+        "logging": {"iteration_step_info_interval": 1},
     }  # fmt: skip
 
 
@@ -116,8 +116,8 @@ def _resume_job(ckpt: str, tp: int) -> float:
     from nanotron_train.trainer import train
 
     torch.set_num_threads(1)
-    records = train(config_from_dict(_finetune_config(Path(ckpt), tp)), stream=io.StringIO())
-    return records[0]["lm_loss"]
+    record = train(config_from_dict(_finetune_config(Path(ckpt), tp)), stream=io.StringIO())
+    return record["lm_loss"]
 
 
 def test_from_hf_checkpoint_resumes_in_trainer_at_tp1_and_tp2(hf_dir, tmp_path):

@@ -240,3 +240,14 @@ def test_unknown_tokenizer_name_is_only_a_warning_for_nanoset_folders(folders, c
         TrainData(raw, sequence_length=SEQ, micro_batch_size=1,
                   batch_accumulation_per_replica=1, dp_rank=0, dp_size=1,
                   tokenizer_path="org/not-cached", cache_dir="unused", model_vocab_size=400)  # fmt: skip
+
+
+def test_token_id_outside_the_model_vocab_is_caught_where_data_is_read(tmp_path):
+    """The model does not range-check ids (a device sync per micro-batch); the data does, once
+    per sample, naming the folder and the sample. A corrupt file: ids past its own vocab."""
+    bad = make_id_nanoset(tmp_path / "bad", [40, 40], low=250, high=300, vocab_size=256)
+    data = make([StageSpec("a", 1, DatasetSpec(str(bad)), 0)], mbs=1, accum=1, vocab=256)
+    with pytest.raises(DataError, match=r"bad: sample \d+ holds token id 2\d\d, outside the mod"):
+        data.micro_batches(1)
+    ok = make([StageSpec("a", 1, DatasetSpec(str(bad)), 0)], mbs=1, accum=1, vocab=300)
+    assert int(ok.micro_batches(1)[0]["input_ids"].max()) >= 256

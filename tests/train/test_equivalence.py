@@ -122,7 +122,8 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
             pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
             try:
                 trainer = Trainer(cfg, pc, stream=io.StringIO())
-                records = trainer.train()
+                records: list[dict] = []
+                trainer.train(on_record=records.append)
                 state_bytes = trainer.state.optimizer.state_bytes()
                 tied_ok = trainer.tied.copies_equal()
             finally:

@@ -36,7 +36,11 @@ def perf_config(layout: dict) -> dict:
                            "skip_first": 0, "with_stack": False}  # fmt: skip
     if layout.get("bf16"):
         cfg["model"]["dtype"] = "bfloat16"
-        cfg["optimizer"]["accumulate_grad_in_fp32"] = True
+        cfg["optimizer"]["accumulate_grad_in_fp32"] = layout.get("fp32_accum", True)
+    cfg["model"]["compile"] = layout.get("compile", False)
+    if layout.get("accum"):  # micro-batches per step, the global batch kept at 8 sequences
+        cfg["tokens"]["batch_accumulation_per_replica"] = layout["accum"]
+        cfg["tokens"]["micro_batch_size"] = max(8 // layout["accum"], 1)
     return cfg
 
 
@@ -63,17 +67,22 @@ def run_perf_layouts(layouts: list[dict]) -> list[dict]:
             pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
             try:
                 trainer = Trainer(cfg, pc, stream=io.StringIO())
-                records = trainer.train()
+                records: list[dict] = []
+                trainer.train(on_record=records.append)
                 tied_ok = trainer.tied.copies_equal()
                 masters = {str(p.master.dtype) for p in trainer.state.optimizer.pieces}
                 params = {str(p.dtype) for p in trainer.state.model.parameters()}
+                compiled = sum(
+                    m._compiled_call_impl is not None for m in trainer.state.model.modules()
+                )
             finally:
                 dist.barrier()
                 pc.destroy()
             out.append({"loss": [r["lm_loss"] for r in records],
                         "norm": [r["grad_norm"] for r in records],
                         "val": [r["val_loss"] for r in records if "val_loss" in r],
-                        "tied_ok": tied_ok, "masters": masters, "params": params})  # fmt: skip
+                        "tied_ok": tied_ok, "masters": masters, "params": params,
+                        "compiled_layers": compiled})  # fmt: skip
     return out
 
 
@@ -209,7 +218,8 @@ def test_recompute_lowers_saved_activations():
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.pipeline import run_pipeline_step
     from nanotron_train.config import config_from_dict
-    from nanotron_train.perf import build_train_model
+    from nanotron_train.model_factory import build_stage_chunks
+    from nanotron_train.parallelize import parallelize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -219,13 +229,13 @@ def test_recompute_lowers_saved_activations():
         for recompute in (False, True):
             cfg = config_from_dict(perf_config({"dp": 1, "tp": 1, "pp": 1,
                                                 "recompute": recompute}), "test")  # fmt: skip
-            model = build_train_model(cfg, pc)
+            model = parallelize(build_stage_chunks(cfg, pc), cfg, pc).model
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(0, 256, (2, 33), generator=g)
             mbs = [{"input_ids": ids[:, :-1], "label_ids": ids[:, 1:],
                     "label_mask": torch.ones(2, 32, dtype=torch.bool)}] * 2  # fmt: skip
-            res = run_pipeline_step("1f1b", model, mbs, pc)
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            res = run_pipeline_step("1f1b", model, mbs, pc, track_activations=True)
+            grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
             out[recompute] = (res.loss, res.stats.peak_saved_activation_bytes, grads)
     finally:
         pc.destroy()
@@ -246,32 +256,16 @@ def test_bf16_weights_with_fp32_masters():
     assert loss[-1] < loss[0] - 0.3, loss
 
 
-def test_compile_config_path():
-    """model.compile: true wraps each decoder layer with torch.compile (not run here: a cold
-    inductor compile of the tiny model takes ~50 s on 2 CPU cores; measured equal losses)."""
-    import torch.distributed as dist
-
-    from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config import config_from_dict
-    from nanotron_train.perf import build_train_model, decoder_layers
-
-    raw = perf_config({"dp": 1, "tp": 1, "pp": 1, "recompute": True})
-    raw["model"]["compile"] = True
-    cfg = config_from_dict(raw, "test")
-    assert cfg.model.compile is True
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pc = ParallelContext()
-    try:
-        layers = decoder_layers(build_train_model(cfg, pc))
-    finally:
-        pc.destroy()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    assert len(layers) == 4
-    for layer in layers:
-        inner = layer.forward.__closure__  # the recompute wrapper closes over the compiled fn
-        compiled = [c.cell_contents for c in inner if callable(c.cell_contents)]
-        assert any(hasattr(f, "_torchdynamo_orig_callable") for f in compiled), compiled
+@pytest.mark.slow
+def test_compile_trains_the_same_model(reference):
+    """model.compile: true (each decoder layer compiled in place by parallelize, inside
+    recompute) gives the eager losses within 1e-5 over the first steps, on the CPU."""
+    steps = 3
+    res = run_perf_layouts([{"dp": 1, "tp": 1, "pp": 1, "compile": True, "recompute": True,
+                             "steps": steps}])[0]  # fmt: skip
+    assert res["compiled_layers"] == 4, res
+    assert close(res["loss"], reference["loss"][:steps]) <= REL, (res["loss"], reference["loss"])
+    assert close(res["norm"], reference["norm"][:steps]) <= REL
 
 
 def test_interleaved_config_errors():
@@ -289,3 +283,40 @@ def test_interleaved_config_errors():
     raw = perf_config({"dp": 1, "tp": 2, "pp": 1, "async": True})
     with pytest.raises(ConfigError, match="tp_linear_async_communication.*REDUCE_SCATTER"):
         config_from_dict(raw, "x.yaml")
+
+
+def _step_gradient(layout: dict) -> torch.Tensor:
+    """The unit-norm gradient (clipping cancels) after one training step, in this process."""
+    import torch.distributed as dist
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.trainer import Trainer
+
+    cfg = config_from_dict(perf_config(layout), "test")
+    pc = ParallelContext()
+    try:
+        trainer = Trainer(cfg, pc, stream=io.StringIO())
+        trainer.train_step()
+        grad = torch.cat([p.main_grad.double().reshape(-1) for _, p in trainer.named_params])
+        trainer.close()
+    finally:
+        dist.barrier()
+        pc.destroy()
+    return grad / grad.norm()
+
+
+def test_fp32_accumulation_tracks_fp32_more_closely_in_bf16():
+    """The fp32-accumulation axis where it matters: a bf16 model, 32 micro-batches per step.
+    The step's gradient accumulated in fp32 buffers is closer to the fp32 run's than the one
+    accumulated in bf16 (measured: 0.81e-2 against 1.05e-2 relative; most of both is the bf16
+    forward and backward themselves, which accumulation cannot fix)."""
+    torch.set_num_threads(1)
+    base = {"dp": 1, "tp": 1, "pp": 1, "accum": 32}
+    with shared_default_group():
+        ref = _step_gradient(base)
+        on = _step_gradient({**base, "bf16": True, "fp32_accum": True})
+        off = _step_gradient({**base, "bf16": True, "fp32_accum": False})
+    err_on, err_off = float((on - ref).norm()), float((off - ref).norm())
+    assert err_on < 0.9 * err_off, (err_on, err_off)
+    assert err_on < 0.02, err_on  # both are bf16 runs of the same model

@@ -71,7 +71,9 @@ def train(raw: dict, factors: dict[int, float] | None = None, made: list | None 
             if made is not None:
                 made.append(trainer)
             injector = Injector(trainer, factors or {})
-            return trainer.train(), injector, trainer
+            records: list[dict] = []
+            trainer.train(on_record=records.append)
+            return records, injector, trainer
         finally:
             pc.destroy()
 
@@ -247,7 +249,8 @@ def test_sigusr1_finishes_the_step_saves_and_resume_auto_continues_bitwise(tmp_p
         try:
             trainer = Trainer(cfg, pc, stream=io.StringIO())
             Usr1(trainer, {})
-            cut = trainer.train()
+            cut: list[dict] = []
+            trainer.train(on_record=cut.append)
         finally:
             pc.destroy()
     assert "SIGUSR1 received" in capsys.readouterr().err

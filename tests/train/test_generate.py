@@ -47,7 +47,7 @@ def _config(root: Path, tok: Path, nanoset: Path) -> dict:
             {"name": "s", "start_training_step": 1,
              "data": {"dataset": {"dataset_folder": str(nanoset)}, "seed": 2}},
         ],
-        "logging": {"iteration_step_info_interval": 100},
+        "logging": {"iteration_step_info_interval": 1},
     }  # fmt: skip
 
 
@@ -67,8 +67,10 @@ def trained(tmp_path_factory) -> dict:
     docs = root / "docs.jsonl"
     docs.write_text("\n".join(json.dumps({"text": t}) for t in tiny_texts(120, seed=1)))
     nanoset = tokenize_to_nanoset([str(docs)], str(tok), root / "ns", progress=False, num_workers=1)
-    records = train(config_from_dict(_config(root, tok, nanoset)), stream=io.StringIO())
-    assert records[-1]["lm_loss"] < records[0]["lm_loss"]
+    records: list[dict] = []
+    cfg = config_from_dict(_config(root, tok, nanoset))
+    train(cfg, stream=io.StringIO(), on_record=records.append)
+    assert len(records) == 8 and records[-1]["lm_loss"] < records[0]["lm_loss"]
     out_json = root / "tp1.json"
     args = ["--ckpt-path", str(root / "ckpt"), "--max-new-tokens", str(MAX_NEW)]
     args += [a for p in PROMPTS for a in ("--prompt", p)]
@@ -88,7 +90,7 @@ def trained(tmp_path_factory) -> dict:
 def test_generate_prints_and_matches_unbatched_decoding(trained, capsys):
     from nanotron_models import KVCache
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.decoding import generate, masked_logits, pad_prompts
+    from nanotron_train.decoding import generate, pad_prompts
     from nanotron_train.generate import main
     from nanotron_train.model_io import load_model, open_checkpoint
 
@@ -104,7 +106,7 @@ def test_generate_prints_and_matches_unbatched_decoding(trained, capsys):
         # The padded batch's prompt logits are each prompt's own (padding is invisible).
         prompts = [item["prompt_ids"] for item in report["results"]]
         ids, positions, mask = pad_prompts(prompts, 0, 0, "cpu")
-        batched = masked_logits(model, ids, positions, mask, KVCache())
+        batched = model.logits(ids, positions, KVCache(), mask)
         for row, p in enumerate(prompts):
             alone = model.logits(torch.tensor([p]))[0]
             assert float((batched[row, -len(p) :] - alone).abs().max()) < 1e-5 * float(

@@ -190,6 +190,18 @@ def tiny_config(**model_config) -> dict:
     }  # fmt: skip
 
 
+def _step(trainer) -> dict:
+    """One training step and its metrics record (as a logged step makes it)."""
+    return trainer.step_record(trainer.train_step(), 0.0)
+
+
+def _records(trainer) -> list[dict]:
+    """Train to the end; every logged step's record."""
+    records: list[dict] = []
+    trainer.train(on_record=records.append)
+    return records
+
+
 def _trainer(data: dict):
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.trainer import Trainer
@@ -226,7 +238,7 @@ def test_model_keys_reach_the_model_and_optimizer():
     )  # final_norm is Nanotron's final_layer_norm.pp_block.weight: no "layernorm" in it
     assert isinstance(tr.state.optimizer.inner, torch.optim.SGD)
     before = params["decoder.0.attn.qkv.bias"].detach().clone()
-    rec = tr.train_step()
+    rec = _step(tr)
     after = params["decoder.0.attn.qkv.bias"].detach()
     assert math.isfinite(rec["lm_loss"]) and not torch.equal(before, after)  # biases train
     tr.close()
@@ -249,7 +261,8 @@ def test_example_runs_with_only_its_data_and_layout_changed(tmp_path, monkeypatc
         stage["data"]["dataset"] = {"dataset_folder": str(folder)}
     data["parallelism"].update(dp=1, tp=1, pp=1)
     cfg = config_from_dict(data, "ex.yaml", world_size=1)
-    records = train(cfg, ParallelContext(1, 1, 1), stream=io.StringIO())
+    records: list[dict] = []
+    train(cfg, ParallelContext(1, 1, 1), stream=io.StringIO(), on_record=records.append)
     assert [r["step"] for r in records] == list(range(1, 16))
     assert records[0]["lm_loss"] == pytest.approx(math.log(256), abs=0.05)  # std 0.025: ~uniform
     assert records[-1]["lm_loss"] < records[0]["lm_loss"]
@@ -278,7 +291,10 @@ def _z_records(tp: int) -> list[dict]:
     with shared_default_group():
         pc = ParallelContext(1, tp, 1)
         try:
-            return train(config_from_dict(_z_config(True, tp)), pc, stream=io.StringIO())
+            records: list[dict] = []
+            cfg = config_from_dict(_z_config(True, tp))
+            train(cfg, pc, stream=io.StringIO(), on_record=records.append)
+            return records
         finally:
             pc.destroy()
 
@@ -294,7 +310,7 @@ def test_z_loss_is_added_logged_and_vocab_parallel():
     on.state.data.load_state_dict(position)  # train_step reads the same batch again
     logits = on.state.model.logits(batch["input_ids"]).double()
     expected_z = 0.01 * float((torch.logsumexp(logits, -1) ** 2).mean())
-    rec_off, rec_on = off.train_step(), on.train_step()
+    rec_off, rec_on = _step(off), _step(on)
     off.close(), on.close()
     assert "z_loss" not in rec_off
     assert rec_on["z_loss"] == pytest.approx(expected_z, rel=1e-5)
@@ -339,11 +355,11 @@ def test_synthetic_and_real_stages_mix_with_their_own_sequence_lengths(tmp_path)
     tokens = set(torch.cat([seen[2], seen[3]]).flatten().tolist())
     assert tokens <= set(range(0, 60)) and len(tokens) > 20  # the nanoset's ids
     tr.close()
-    full = _trainer(_stages_config(tmp_path, nanoset, 6)).train()
+    full = _records(_trainer(_stages_config(tmp_path, nanoset, 6)))
     assert [r["consumed_tokens"] for r in full] == [32, 64, 80, 96, 128, 160]  # 2 seqs x length
     half = _stages_config(tmp_path / "b", nanoset, 4)
-    _trainer(half).train()
-    resumed = _trainer(_stages_config(tmp_path / "b", nanoset, 6, resume=True)).train()
+    _records(_trainer(half))
+    resumed = _records(_trainer(_stages_config(tmp_path / "b", nanoset, 6, resume=True)))
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in full[4:]]
 
 
@@ -355,13 +371,13 @@ def test_initial_state_recorded_step_and_benchmark_csv(tmp_path):
     data["checkpoints"] = {"checkpoints_path": str(tmp_path / "ck"), "checkpoint_interval": 2,
                            "save_initial_state": True}  # fmt: skip
     data["general"]["benchmark_csv_path"] = str(tmp_path / "bench" / "runs.csv")
-    full = _trainer(data).train()
+    full = _records(_trainer(data))
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["0", "2", "3", "latest.txt"]
     saved = yaml.safe_load((tmp_path / "ck" / "2" / "config.yaml").read_text())
     assert (saved["general"]["step"], saved["general"]["consumed_train_samples"]) == (2, 4)
     resumed_cfg = tiny_config()
     resumed_cfg["checkpoints"] = {"resume_checkpoint_path": str(tmp_path / "ck" / "0")}
-    again = _trainer(resumed_cfg).train()
+    again = _records(_trainer(resumed_cfg))
     assert [r["lm_loss"] for r in again] == [r["lm_loss"] for r in full]
     saved["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "ck" / "3")  # step 2's config
     saved["general"]["benchmark_csv_path"] = None
@@ -370,7 +386,7 @@ def test_initial_state_recorded_step_and_benchmark_csv(tmp_path):
     import csv
 
     rows = list(csv.DictReader((tmp_path / "bench" / "runs.csv").open()))
-    _trainer(data | {"checkpoints": {}}).train()
+    _records(_trainer(data | {"checkpoints": {}}))
     rows2 = list(csv.DictReader((tmp_path / "bench" / "runs.csv").open()))
     assert len(rows) == 1 and len(rows2) == 2
     row = rows[0]
@@ -390,11 +406,11 @@ def test_log_levels_per_rank(tmp_path, capfd):
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.trainer import Trainer
 
-    Trainer(config_from_dict(data), ParallelContext(1, 1, 1), stream=out).train()
+    _records(Trainer(config_from_dict(data), ParallelContext(1, 1, 1), stream=out))
     assert out.getvalue() == ""  # step lines are info
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3
     data["logging"]["log_level"] = "info"
-    Trainer(config_from_dict(data), ParallelContext(1, 1, 1), stream=out).train()
+    _records(Trainer(config_from_dict(data), ParallelContext(1, 1, 1), stream=out))
     assert out.getvalue().count("iteration: ") == 3
     import logging
 
@@ -457,7 +473,7 @@ def _sanity_run(tmp: str) -> tuple[int, str, list[str]]:
     with shared_default_group():
         pc = ParallelContext(2, 1, 1)
         tr = Trainer(config_from_dict(data), pc, stream=io.StringIO())
-        steps = [tr.train_step()["step"] for _ in range(2)]  # replicas agree: no error
+        steps = [tr.train_step().step for _ in range(2)]  # replicas agree: no error
         if dist.get_rank() == 1:
             with torch.no_grad():
                 dict(tr.state.model.named_parameters())["decoder.1.mlp.down.weight"][0, 0] += 1.0
@@ -511,7 +527,7 @@ def test_num_loading_workers_prefetch_same_batches_and_position(tmp_path):
             stage["data"]["num_loading_workers"] = workers
         tr = _trainer(data)
         assert type(tr.state.data).__name__ == ("Prefetched" if workers else "StagedData")
-        runs[workers] = [r["lm_loss"] for r in tr.train()]
+        runs[workers] = [r["lm_loss"] for r in _records(tr)]
     assert runs[0] == runs[3]
 
 

@@ -241,7 +241,9 @@ def test_from_nanotron_imports_weights_step_and_config(tmp_path):
     folder = write_datatrove(tmp_path / "dt", [documents(7, 400)])
     for stage in raw["data_stages"]:
         stage["data"]["dataset"] = {"dataset_folder": str(folder)}
-    records = train(config_from_dict(raw), ParallelContext(1, 1, 1), stream=io.StringIO())
+    records: list[dict] = []
+    cfg = config_from_dict(raw)
+    train(cfg, ParallelContext(1, 1, 1), stream=io.StringIO(), on_record=records.append)
     assert [r["step"] for r in records] == [11]
     # the LR schedule continues: cosine from 3e-4 to 1e-5 over 13 steps after 2 of warm-up
     expected = 1e-5 + (3e-4 - 1e-5) * 0.5 * (1 + math.cos(math.pi * (11 - 2) / 13))
@@ -256,7 +258,7 @@ def test_from_nanotron_imports_weights_step_and_config(tmp_path):
         tr = Trainer(config_from_dict(fresh), ParallelContext(1, 1, 1), stream=io.StringIO())
         params = dict(tr.state.model.named_parameters())
         assert all(torch.equal(params[n], original[n]) for n in got)
-        assert tr.train_step()["step"] == 1  # step 0: only the weights come from it
+        assert tr.train_step().step == 1  # step 0: only the weights come from it
         tr.close()
     with pytest.raises(SystemExit):
         convert_main(["from-nanotron", "--out", str(out)])

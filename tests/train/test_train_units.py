@@ -59,6 +59,20 @@ def test_presets_round_trip(tmp_path):
     assert tiny.parallelism.dp == 2 and tiny.global_batch_size == 16
 
 
+def test_presets_are_the_shipped_configs():
+    """`init_config --preset X` writes the config that configs/ ships for X."""
+    from pathlib import Path
+
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.init_config import PRESETS
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    shipped = {"tiny-llama": "tiny-llama-cpu.yaml", "llama-1b": "llama-1b-gpu.yaml"}
+    assert sorted(shipped) == sorted(PRESETS)
+    for preset, name in shipped.items():
+        assert load_config(root / name) == config_from_dict(PRESETS[preset], preset), name
+
+
 def test_override_into_list_and_errors():
     data = {"data_stages": [{"name": "a", "data": {"seed": 1}}]}
     apply_override(data, "data_stages.0.data.seed=5")

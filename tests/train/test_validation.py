@@ -164,7 +164,10 @@ def train_records(raw: dict, stream=None) -> list[dict]:
     from nanotron_train.trainer import train
 
     torch.set_num_threads(1)
-    return train(config_from_dict(raw, "test"), stream=stream or io.StringIO())
+    records: list[dict] = []
+    cfg = config_from_dict(raw, "test")
+    train(cfg, stream=stream or io.StringIO(), on_record=records.append, every_step=True)
+    return records
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from .flops import (
     num_parameters,
     training_flops_per_token,
 )
-from .generation import greedy_generate
 from .kv_cache import KVCache
 from .model import (
     LlamaStage,
@@ -33,7 +32,6 @@ __all__ = [
     "build_llama_blocks",
     "build_llama_stage",
     "full_state_dict",
-    "greedy_generate",
     "llama_block_costs",
     "llama_block_names",
     "llama_block_specs",

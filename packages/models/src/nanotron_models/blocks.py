@@ -127,7 +127,7 @@ class Attention(nn.Module):
         offset = kv_cache.offset if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(offset, offset + s, device=x.device)
-            cos, sin = self.rotary.cos_sin(position_ids, x.device, x.dtype)
+            cos, sin = self.rotary.cos_sin(position_ids, x.device, x.dtype, offset + s)
             cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         else:  # [b, s] -> cos/sin [s, b, 1, d]
             cos, sin = self.rotary.cos_sin(position_ids.transpose(0, 1), x.device, x.dtype)

@@ -6,6 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+# The dtype names of configs and checkpoints (`model.dtype`), in one place.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 ATTN_BACKENDS = ("auto", "sdpa", "flash_attn")
 # Nanotron's `_attn_implementation` values -> our backends; the others are refused.
 NANOTRON_ATTENTION = {"flash_attention_2": "flash_attn", "sdpa": "sdpa", None: "auto"}

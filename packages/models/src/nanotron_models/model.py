@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nanotron_parallel.sharding import (
     ParamMeta,
@@ -12,7 +13,13 @@ from nanotron_parallel.sharding import (
     set_param_meta,
     shard_tensor,
 )
-from nanotron_parallel.tensor_parallel import TensorParallelLinearMode, gather_from_tp
+from nanotron_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLinearMode,
+    VocabParallelEmbedding,
+    gather_from_tp,
+)
 
 from .blocks import Batch, DecoderLayer, Embedding, LMHead, Loss, RMSNorm, linear_mode
 from .config import ATTN_BACKENDS, LlamaConfig, ModelConfigError
@@ -27,6 +34,10 @@ TIED_KEY = "embedding.weight"
 class LlamaStage(nn.Module):
     """Some contiguous blocks of the Llama. Submodules `embedding`, `decoder` (ModuleDict keyed
     by the global layer index), `final_norm`, `lm_head`, `loss`: each only if in block_names.
+
+    Options that change how, not what, the stage computes are set by methods after it is
+    built (the trainer's `parallelize` calls them): `set_tp_mode`, `set_recompute`,
+    `compile_layers`. Parameter names stay the same whatever is applied.
     """
 
     def __init__(
@@ -62,15 +73,57 @@ class LlamaStage(nn.Module):
             self.lm_head = LMHead(c.hidden_size, vpad, group, tp_mode, **kw)
         if "loss" in block_names:
             self.loss = Loss(c.vocab_size, group, c.z_loss_weight)
+        self.recompute = False
 
     def block(self, name: str) -> nn.Module:
         if name.startswith("decoder."):
             return self.decoder[name.split(".", 1)[1]]
         return getattr(self, name)
 
+    def set_tp_mode(
+        self,
+        mode: str | TensorParallelLinearMode,
+        async_communication: bool = False,
+        tensor_collectives: bool | None = None,
+        recompute_allgather: bool = False,
+    ) -> None:
+        """Switch every tp layer and norm of the stage to `mode`; `async_communication` (only
+        REDUCE_SCATTER) overlaps the linears' collectives with their matmuls;
+        `tensor_collectives` runs native reduce-scatters (None: under NCCL only);
+        `recompute_allgather` (REDUCE_SCATTER) makes the column-parallel linears keep only
+        their input shard and gather it again in the backward."""
+        mode = linear_mode(mode)
+        self.tp_mode = mode
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.set_communication(
+                    mode, async_communication, tensor_collectives, recompute_allgather
+                )
+            elif isinstance(module, VocabParallelEmbedding):
+                module.set_communication(mode, tensor_collectives)
+            elif isinstance(module, RMSNorm):
+                module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
+
+    def set_recompute(self, enabled: bool) -> None:
+        """Run each decoder layer under non-reentrant activation checkpointing: its activations
+        are dropped after the forward and recomputed in the backward (RNG state restored);
+        only the layer's input stays alive. Every tp rank recomputes the same layers in the
+        same order, so the collectives inside still match."""
+        self.recompute = enabled
+
+    def compile_layers(self) -> None:
+        """`torch.compile` each decoder layer in place (nn.Module.compile: names unchanged)."""
+        for layer in self.decoder.values():
+            layer.compile(dynamic=False)
+
     def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:
+        recompute = self.recompute and torch.is_grad_enabled()
         for name in self.block_names:
-            x = self.block(name)(x, batch)
+            block = self.block(name)
+            if recompute and isinstance(block, DecoderLayer):
+                x = checkpoint(block, x, batch, use_reentrant=False, preserve_rng_state=True)
+            else:
+                x = block(x, batch)
         assert x is not None
         return x
 

@@ -56,10 +56,17 @@ class RotaryTable:
         return cached
 
     def cos_sin(
-        self, position_ids: torch.Tensor, device: torch.device, dtype: torch.dtype
+        self,
+        position_ids: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype,
+        length: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [*position_ids.shape, head_dim]."""
-        cos, sin = self._table(int(position_ids.max()) + 1, device, dtype)
+        """cos, sin of shape [*position_ids.shape, head_dim]. `length` (> every position) saves
+        reading the largest position on the host, a device sync: training passes it."""
+        if length is None:
+            length = int(position_ids.max()) + 1
+        cos, sin = self._table(length, device, dtype)
         return cos[position_ids], sin[position_ids]
 
 

@@ -2,30 +2,32 @@
 
 A parameter replicated over tp (no ParamMeta, or one without a shard dim) is counted on tp
 rank 0 only; a tied parameter (ParamMeta.tied_key) only on the first pipeline stage holding it;
-over dp, the caller gives the ranges this rank counts (see zero.grad_norm_ranges). The squares
-are summed over the world group, so every rank gets the same norm.
+over dp, the data-parallel object gives the views this rank counts
+(`DataParallelGrads.grad_norm_views`). The squares are summed over the world group, so every
+rank gets the same norm.
+
+Everything stays on the device: the norm is a 0-d tensor and clipping multiplies by
+`min(1, max_norm / (norm + 1e-6))` computed there, so a step needs no host sync for either;
+the trainer reads the norm on the host only on the steps it logs. The norm reads each
+gradient once (one fused `_foreach_norm` over a few merged flat views, accumulated in fp64).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def _meta(param: nn.Parameter):
-    from nanotron_parallel.sharding import get_param_meta
-
-    return get_param_meta(param)
+from nanotron_parallel.sharding import get_param_meta
 
 
 def default_counts_in_norm(tp_rank: int, is_first_stage: bool) -> Callable[[nn.Parameter], bool]:
     """The rule above, for this rank's coordinates."""
 
     def counts(param: nn.Parameter) -> bool:
-        meta = _meta(param)
+        meta = get_param_meta(param)
         replicated = meta is None or meta.shard_dim is None
         if replicated and tp_rank != 0:
             return False
@@ -37,34 +39,24 @@ def default_counts_in_norm(tp_rank: int, is_first_stage: bool) -> Callable[[nn.P
 
 @torch.no_grad()
 def global_grad_norm(
-    ranges: Iterable[tuple[nn.Parameter, int, int]],
-    group: dist.ProcessGroup | None,
-    counts: Callable[[nn.Parameter], bool],
-) -> float:
-    """L2 norm of `param.main_grad` over the given flat ranges on every rank of `group`."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p, start, end in ranges:
-        if counts(p):
-            g = p.main_grad.reshape(-1)[start:end].double()
-            total += torch.dot(g, g).cpu()
-    device = _collective_device(group)
-    total = total.to(device)
-    dist.all_reduce(total, group=group)
-    return float(total.sqrt())
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    views: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """L2 norm (0-d float64 tensor on `device`) of the gradient `views` of every rank of `group`."""
+    if views:
+        squares = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square().sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+    dist.all_reduce(squares, group=group)
+    return squares.sqrt()
 
 
 @torch.no_grad()
-def clip_grads(params: Iterable[nn.Parameter], total_norm: float, max_norm: float) -> float:
-    """Scale every main_grad by min(1, max_norm / (norm + 1e-6)); return the factor used."""
-    coef = max_norm / (total_norm + 1e-6)
-    if coef >= 1.0:
-        return 1.0
-    for p in params:
-        p.main_grad.mul_(coef)
+def clip_grads(
+    grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float
+) -> torch.Tensor:
+    """Scale the gradient tensors by min(1, max_norm / (norm + 1e-6)) on the device; return the
+    factor (a 0-d tensor)."""
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(torch.float32))  # fp32 opmath, as a Python scalar
     return coef

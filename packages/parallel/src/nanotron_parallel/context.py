@@ -61,6 +61,14 @@ def group_rank_lists(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     }
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a collective's tensors live: the current CUDA device under NCCL, else the CPU.
+    (The one place that knows NCCL means CUDA.)"""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None:
@@ -85,7 +93,12 @@ class ParallelContext:
         pp: int = 1,
         backend: str | None = None,
         timeout: timedelta | None = None,
+        tensor_collectives: bool | None = None,
     ) -> None:
+        """`tensor_collectives`: run reduce-scatter and all-gather as the backend's
+        single-tensor collectives (NCCL's way; None = only under NCCL). On gloo all-reduce +
+        slice is faster, so that is the default there; tests set True to run NCCL's code paths
+        (ZeRO-1's reduce-scatter and all-gather, sequence parallel's reduce-scatter) on the CPU."""
         validate_degrees(dp, tp, pp)
         launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
         if dist.is_initialized():
@@ -113,6 +126,9 @@ class ParallelContext:
             self._init_default_group(launched, rank, world_size, timeout)
 
         self.world_size, self.rank = world_size, rank
+        if tensor_collectives is None:
+            tensor_collectives = self.backend == "nccl"
+        self.tensor_collectives = tensor_collectives
         self.dp_size, self.tp_size, self.pp_size = dp, tp, pp
         self.dp_rank, self.tp_rank, self.pp_rank = self.coords_of(rank)
         self.world_group = dist.group.WORLD
@@ -129,6 +145,10 @@ class ParallelContext:
         self.dp_group, self.dp_ranks = mine["dp"]
         self.pp_group, self.pp_ranks = mine["pp"]
         self.mp_group, self.mp_ranks = mine["mp"]
+        if self.backend == "nccl" and pp > 1:
+            # NCCL needs every rank of a group in one collective before batched p2p between a
+            # subset of them: one tiny all-reduce, once, instead of one per step.
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
     # -- construction helpers ------------------------------------------------------------
     def _pick_backend(self, backend: str | None) -> str:

@@ -2,16 +2,23 @@
 
 Each parameter gets `param.main_grad`, a view into a flat per-bucket buffer (fp32 when
 accumulating in fp32, else the parameter's dtype). A post-accumulate-grad hook adds `param.grad`
-into it and frees `param.grad`, so micro-batches accumulate locally and nothing is communicated
-until the last micro-batch. `arm()` (the pipeline's `on_last_backward`) makes the hooks count
-arrivals: when every gradient of a bucket has arrived in the last backward, that bucket's
-asynchronous all-reduce (or reduce-scatter for ZeRO-1 on NCCL) starts while the backward goes
-on. `finish()` launches whatever is left, waits, and divides by dp, so the result is the mean
-over data-parallel replicas.
+into it, already divided by dp, and frees `param.grad`, so micro-batches accumulate locally and
+nothing is communicated until the last micro-batch. `arm()` (the pipeline's `on_last_backward`)
+makes the hooks count arrivals: when every gradient of a bucket has arrived in the last
+backward, that bucket's asynchronous all-reduce (or, for ZeRO-1, reduce-scatter: see zero.py)
+starts while the backward goes on. `finish()` launches whatever is left and waits; the sum of
+the pre-divided gradients is the mean over data-parallel replicas, with no pass over the
+buffers to divide (dividing by a power of two is exact, so the result is the same bitwise).
+
+This object owns the whole data-parallel policy: buckets, padding, which collective reduces,
+which ranges this rank steps (`owned_ranges`) and counts in the gradient norm
+(`grad_norm_views`), and the parameter all-gather after the step (`gather_params`, ZeRO only).
+`build_data_parallel` picks the class for a zero stage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,12 +48,14 @@ class Bucket:
 
 
 class DataParallelGrads:
-    """Gradient buffers for the parameters of one model stage, reduced over `dp_group`.
+    """Gradient buffers for the parameters of one model stage, reduced over `dp_group`; every
+    rank holds the full averaged gradient and steps every parameter (zero_stage 0).
 
-    `reduce_scatter=True` (ZeRO-1 on NCCL) leaves only this rank's chunk of each bucket
-    reduced; otherwise every rank holds the full averaged gradient. Parameters whose id is in
-    `full_reduce` get buckets of their own that are always all-reduced.
+    Parameters whose id is in `full_reduce` get buckets of their own that are always
+    all-reduced. Subclasses (zero.py) change the padding, the collective and the ownership.
     """
+
+    zero_stage = 0
 
     def __init__(
         self,
@@ -56,9 +65,8 @@ class DataParallelGrads:
         dp_rank: int,
         grad_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
-        pad_to: int = 1,
-        reduce_scatter: bool = False,
         full_reduce: set[int] | None = None,
+        tensor_collectives: bool | None = None,
     ) -> None:
         unique: list[nn.Parameter] = []
         seen: set[int] = set()
@@ -68,7 +76,14 @@ class DataParallelGrads:
                 unique.append(p)
         self.params = unique
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
-        self.reduce_scatter = reduce_scatter and dp_size > 1
+        # NCCL's reduce-scatter / all-gather into one tensor; on gloo all-reduce + slice and a
+        # list all-gather are faster, but tests force these paths there too.
+        if tensor_collectives is None:
+            tensor_collectives = dp_group is not None and dist.get_backend(dp_group) == "nccl"
+        self.tensor_collectives = tensor_collectives
+        self._grad_scale = 1.0 / dp_size  # pre-divided in the hook: the reduction sums means
+        self._norm_views: list[torch.Tensor] | None = None
+        pad_to = self.pad_to()
         self.armed = False
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -113,8 +128,15 @@ class DataParallelGrads:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 
+    def pad_to(self) -> int:
+        """Each bucket's buffer is padded to a multiple of this (ZeRO: dp equal chunks)."""
+        return 1
+
     def _on_grad(self, param: nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
+        if self.dp_size == 1:
+            param.main_grad.add_(param.grad)
+        else:
+            param.main_grad.add_(param.grad, alpha=self._grad_scale)
         param.grad = None
         if not self.armed:
             return
@@ -139,19 +161,11 @@ class DataParallelGrads:
             self._launch_collective(bucket)
 
     def _launch_collective(self, bucket: Bucket) -> None:
-        if self.reduce_scatter and not bucket.full:
-            lo, hi = bucket.chunk_range(self.dp_rank, self.dp_size)
-            bucket.scatter_out = torch.empty(
-                hi - lo, dtype=bucket.grad.dtype, device=bucket.grad.device
-            )
-            bucket.handle = dist.reduce_scatter_tensor(
-                bucket.scatter_out, bucket.grad, group=self.dp_group, async_op=True
-            )
-        else:
-            bucket.handle = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
+        bucket.handle = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
 
     def finish(self) -> None:
-        """Reduce every bucket not yet reduced, wait for all, and average over dp."""
+        """Reduce every bucket not yet reduced and wait for all: the gradients are then the
+        mean over dp (ZeRO-1 with reduce-scatter: in this rank's own chunks)."""
         for bucket in self.buckets:
             self._launch(bucket)
         for bucket in self.buckets:
@@ -163,8 +177,6 @@ class DataParallelGrads:
                 lo, hi = bucket.chunk_range(self.dp_rank, self.dp_size)
                 bucket.grad[lo:hi].copy_(bucket.scatter_out)
                 bucket.scatter_out = None
-            if self.dp_size > 1:
-                bucket.grad.div_(self.dp_size)
         self.armed = False
 
     def zero_grad(self) -> None:
@@ -175,6 +187,56 @@ class DataParallelGrads:
             bucket.launched = False
             bucket.handle = None
         self.armed = False
+
+    # -- ownership: what this rank steps, counts in the norm, and gathers --------------------
+
+    def owned_span(self, bucket: Bucket) -> tuple[int, int]:
+        """The flat range of `bucket` this rank steps (zero_stage 0: all of it)."""
+        return 0, bucket.grad.numel()
+
+    def counts_in_norm_over_dp(self) -> bool:
+        """Whether this rank counts its owned ranges in the norm: each element once over dp
+        (zero 0: dp rank 0 counts everything)."""
+        return self.dp_rank == 0
+
+    def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(param, start, end) flat element ranges this rank steps."""
+        out: list[tuple[nn.Parameter, int, int]] = []
+        for bucket in self.buckets:
+            lo, hi = self.owned_span(bucket)
+            for p, off in zip(bucket.params, bucket.offsets):
+                start, end = max(off, lo), min(off + p.numel(), hi)
+                if start < end:
+                    out.append((p, start - off, end - off))
+        return out
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """The flat gradient views this rank steps: one per bucket (what clipping scales)."""
+        return [b.grad[slice(*self.owned_span(b))] for b in self.buckets]
+
+    def grad_norm_views(self, counts: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
+        """Flat gradient views whose squares this rank adds to the global norm: its owned
+        ranges of the parameters `counts` accepts, adjacent ones merged. Computed once."""
+        if self._norm_views is None:
+            views: list[torch.Tensor] = []
+            if self.counts_in_norm_over_dp():
+                for bucket in self.buckets:
+                    lo, hi = self.owned_span(bucket)
+                    spans: list[list[int]] = []
+                    for p, off in zip(bucket.params, bucket.offsets):
+                        start, end = max(off, lo), min(off + p.numel(), hi)
+                        if start >= end or not counts(p):
+                            continue
+                        if spans and spans[-1][1] == start:
+                            spans[-1][1] = end
+                        else:
+                            spans.append([start, end])
+                    views += [bucket.grad[a:b] for a, b in spans]
+            self._norm_views = views
+        return self._norm_views
+
+    def gather_params(self) -> None:
+        """After the optimizer step: nothing to do when every rank stepped everything."""
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

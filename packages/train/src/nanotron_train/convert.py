@@ -190,11 +190,11 @@ def save_imported(
     """Write `<out>/<step>/` holding the weights `full_state_dict(model_config)` returns (our
     global names, full tensors), a fresh optimizer, the LR schedule at `step` and `cfg`."""
     from nanotron_models import build_llama, load_full_state_dict
+    from nanotron_models.config import DTYPES
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.checkpoints import save_checkpoint
     from nanotron_train.lr_schedule import build_lr_schedule
     from nanotron_train.model_factory import padded_model_config
-    from nanotron_train.model_io import DTYPES
 
     pc = ParallelContext()
     try:

@@ -39,17 +39,6 @@ class GenerationResult:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-@torch.no_grad()
-def masked_logits(
-    stage, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor, cache
-) -> torch.Tensor:
-    """Full logits [b, s, vocab] of new tokens `input_ids` [b, s] continuing `cache`.
-
-    `key_mask` [b, cache.offset + s] is True at real tokens, False at padding.
-    """
-    return stage.logits(input_ids, position_ids, cache, key_mask)
-
-
 def _agree_over_tp(tokens: torch.Tensor, pc) -> torch.Tensor:
     """Every tp rank takes tp rank 0's tokens (sampling is seeded alike; this makes it certain)."""
     if pc.tp_size > 1:
@@ -116,7 +105,8 @@ def generate(
     t0 = time.perf_counter()
     for step in range(max_new_tokens):
         end = start + new.shape[1]
-        logits = masked_logits(stage, new, positions[:, start:end], key_mask[:, :end], cache)
+        # key_mask [b, cache.offset + s] is True at real tokens, False at left padding
+        logits = stage.logits(new, positions[:, start:end], cache, key_mask[:, :end])
         token = _agree_over_tp(next_tokens(logits[:, -1], sampling, generator), stage.pc)
         if eos_token_id is not None:
             token = token.masked_fill(done, eos_token_id)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from nanotron_train.model_io import DTYPES
+from nanotron_models.config import DTYPES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

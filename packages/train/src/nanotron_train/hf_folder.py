@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from nanotron_models.config import DTYPES
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFFolderError(ValueError):
@@ -78,7 +79,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 def hf_dtype_name(config: dict) -> str:
     """The weights' dtype recorded in config.json (`dtype` in v5, `torch_dtype` before)."""
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return name if name in HF_DTYPES else "float32"
+    return name if name in DTYPES else "float32"
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:

@@ -18,7 +18,16 @@ def _base(
 ) -> dict[str, Any]:
     return {
         "general": {"project": "nanotron", "run": "run", "seed": 42},
-        "parallelism": {"dp": 1, "tp": 1, "pp": 1, "pp_engine": "1f1b", "tp_mode": "ALL_REDUCE"},
+        # configs/tiny-llama-cpu.yaml and configs/llama-1b-gpu.yaml are these presets
+        # (tests/train/test_train_units.py::test_presets_are_the_shipped_configs).
+        "parallelism": {
+            "dp": 1,
+            "tp": 1,
+            "pp": 1,
+            "pp_engine": "1f1b",
+            "tp_mode": "ALL_REDUCE",
+            "tp_recompute_allgather": False,
+        },  # fmt: skip
         "model": {
             "model_config": model,
             "init_method": {"std": 0.02},

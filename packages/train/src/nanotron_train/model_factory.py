@@ -1,23 +1,22 @@
-"""Build this rank's part of the Llama from a training config.
+"""Build this rank's blocks of the Llama from a training config (before `parallelize`).
 
-One place for what the trainer, the interleaved pipeline (perf.py) and the HF import
-(convert.py) all need: the dtype names, the vocabulary padding, and one (virtual) stage.
+One place for what the trainer and the HF import (convert.py) need: the vocabulary padding,
+the placement of blocks over pipeline stages, and this rank's stage (or its v chunks under the
+interleaved engine). The blocks are built with this rank's tp shards, in the default tp mode;
+`parallelize.py` then applies every parallel and speed option.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from nanotron_models import LlamaConfig
+from nanotron_models.config import DTYPES
 from nanotron_models.flops import llama_block_costs, llama_block_names
 from nanotron_models.model import LlamaStage, build_llama_stage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.pipeline import stage_block_names
 from nanotron_train.config import Config
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def padded_model_config(cfg: Config) -> LlamaConfig:
@@ -45,10 +44,18 @@ def build_model(
         mc,
         pc,
         stage_block_names(names, costs, num_stages, stage),
-        tp_mode=cfg.parallelism.tp_mode,
         seed=cfg.general.seed,
         init_std=cfg.model.init_method.std,
         scaling_method=cfg.model.init_method.scaling_method,
         dtype=DTYPES[cfg.model.dtype],
         device=pc.device,
     )
+
+
+def build_stage_chunks(cfg: Config, pc: ParallelContext) -> list[LlamaStage]:
+    """This rank's chunks: one stage, or for interleaved-1f1b v chunks, chunk c being virtual
+    stage c * pp + pp_rank of pp * v (blocks placed over all of them by cost)."""
+    if cfg.parallelism.pp_engine != "interleaved-1f1b":
+        return [build_model(cfg, pc)]
+    v, pp = cfg.parallelism.pp_virtual_stages, pc.pp_size
+    return [build_model(cfg, pc, c * pp + pc.pp_rank, pp * v) for c in range(v)]

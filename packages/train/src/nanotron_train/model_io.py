@@ -14,14 +14,13 @@ import torch
 import yaml
 
 from nanotron_models import LlamaConfig, build_llama
+from nanotron_models.config import DTYPES
 from nanotron_models.model import TIED_KEY
 from nanotron_parallel.tensor_parallel import TensorParallelLinearMode
 from nanotron_train.checkpoints import CheckpointError, read_metadata, resolve_checkpoint
 from nanotron_train.checkpoints.layout import ShardInfo, canonical_name
 from nanotron_train.checkpoints.load import check_files
 from nanotron_train.checkpoints.source import CheckpointSource
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TokenizerMissingError(ValueError):

@@ -37,6 +37,11 @@ class StepProfiler:
         self._prof: profile | None = None
         self._range: record_function | None = None
 
+    @property
+    def enabled(self) -> bool:
+        """Whether this run profiles (the pipeline then also measures saved activations)."""
+        return self.args is not None
+
     def _start(self) -> None:
         a = self.args
         assert a is not None

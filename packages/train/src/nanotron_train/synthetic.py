@@ -19,8 +19,9 @@ MAX_STRIDE = 8
 def synthetic_sample(index: int, seed: int, length: int, vocab_size: int) -> torch.Tensor:
     """Sample `index` of the stream: `length` token ids (long)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    start = int(torch.randint(0, vocab_size, (1,), generator=g))
-    stride = int(torch.randint(1, MAX_STRIDE + 1, (1,), generator=g))
+    # tolist, not int(): the same draws without a scalar read per sample in the profile
+    start = torch.randint(0, vocab_size, (1,), generator=g).tolist()[0]
+    stride = torch.randint(1, MAX_STRIDE + 1, (1,), generator=g).tolist()[0]
     return (start + stride * torch.arange(length, dtype=torch.long)) % vocab_size
 
 

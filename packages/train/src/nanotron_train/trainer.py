@@ -1,11 +1,16 @@
 """The training loop, top to bottom.
 
-config -> ParallelContext -> this rank's model stage -> gradient buffers, optimizer, LR
-schedule -> data -> for each step: pipeline step over the micro-batches (the dp reduction starts
-during the last backward), wait for it, tied-gradient sum, sequence-parallel norm gradients,
-clip by the global norm, optimizer step (ZeRO-1: all-gather the parameters), metrics.
+config -> ParallelContext -> this rank's blocks (model_factory) -> `parallelize` (tp mode,
+recompute, compile, pipeline chunks, data parallel / ZeRO) -> optimizer and LR schedule ->
+data -> for each step: pipeline step over the micro-batches (the dp reduction starts during the
+last backward), wait for it, tied-gradient sum, clip by the global norm, optimizer step (ZeRO-1:
+all-gather the parameters), metrics.
 
-Everything a checkpoint needs lives in one `TrainState` (issue 7 adds save/load around it).
+The step never waits for the device: the loss and the gradient norm stay device tensors and
+clipping is computed on the device. Only a logged step (every iteration_step_info_interval)
+reads them on the host, and its time per iteration is the mean over the steps since the last
+logged one. Everything a checkpoint needs lives in one `TrainState` (checkpoints/hooks.py
+saves and restores it).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TextIO
@@ -23,13 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron_models.blocks import Loss
+from nanotron_models.config import DTYPES
 from nanotron_models.flops import training_flops_per_token
 from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
 from nanotron_parallel.context import ParallelContext
-from nanotron_parallel.data_parallel import DataParallelGrads
 from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step
-from nanotron_parallel.tied import tied_parameters
-from nanotron_parallel.zero import all_gather_params, grad_norm_ranges, owned_ranges
 from nanotron_train.benchmark_csv import append_row, benchmark_row
 from nanotron_train.checkpoints.hooks import Checkpointing
 from nanotron_train.config import Config
@@ -49,9 +53,9 @@ from nanotron_train.metrics import (
     make_record,
     peak_memory_bytes,
 )
-from nanotron_train.model_factory import DTYPES, padded_model_config
+from nanotron_train.model_factory import build_stage_chunks, padded_model_config
 from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
-from nanotron_train.perf import build_train_model
+from nanotron_train.parallelize import parallelize
 from nanotron_train.profiling import StepProfiler
 from nanotron_train.sanity import SanityCheckError, check_dp_replicas
 
@@ -72,17 +76,20 @@ class TrainState:
     data_step_offset: int = 0  # steps whose data a rollback skipped (data step = step + this)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def rng_state(self) -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return state
 
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+@dataclass
+class StepOutput:
+    """One step's results, still on the device (reading them is a host sync)."""
+
+    step: int
+    loss: torch.Tensor | None  # the mean loss on the last pipeline stage, None elsewhere
+    grad_norm: torch.Tensor
+    lr: float
+    sequence_length: int
+    z_loss: torch.Tensor | None = None  # this rank's mean z-loss (last stage), when enabled
+    action: str = "ok"  # the non-finite policy's decision (fault/nonfinite.py)
+    # The global loss and norm, when the step already read them (skip / rollback policies).
+    host_values: tuple[float, float] | None = None
 
 
 class Trainer:
@@ -93,33 +100,22 @@ class Trainer:
         level = configure_logging(cfg.logging, pc.rank)  # log_level / log_level_replica
         torch.manual_seed(cfg.general.seed)
         random.seed(cfg.general.seed)
-        model = build_train_model(cfg, pc)  # perf.py: v chunks, recompute, async tp, compile
+        # model_factory builds this rank's blocks; parallelize.py applies, in a documented
+        # order, tp mode, recompute, compile, pipeline chunks and data parallel / ZeRO.
+        par_model = parallelize(build_stage_chunks(cfg, pc), cfg, pc)
+        model, self.tied, self.grads = par_model.model, par_model.tied, par_model.grads
         init_path = cfg.model.init_method.path
         if init_path and not cfg.checkpoints.resume_checkpoint_path:  # ExistingCheckpointInit
-            mc = padded_model_config(cfg)
+            mc = padded_model_config(cfg)  # before the optimizer copies any master weight
             load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
+        self.zero_stage = par_model.zero_stage
         named = list(model.named_parameters())
         self.named_params = named
-        self.tied = tied_parameters(model, pc)  # collective when pp > 1
-        tied_ids = {id(p) for g in self.tied.groups for p in g.params}
         opt = cfg.optimizer
-        zero = opt.zero_stage if pc.dp_size > 1 else 0
-        self.zero_stage = zero
         dtype = DTYPES[cfg.model.dtype]
-        self.grads = DataParallelGrads(
-            [p for _, p in named],
-            pc.dp_group,
-            pc.dp_size,
-            pc.dp_rank,
-            grad_dtype=torch.float32 if opt.accumulate_grad_in_fp32 else dtype,
-            bucket_cap_mb=cfg.model.ddp_bucket_cap_mb,
-            pad_to=pc.dp_size if zero else 1,
-            reduce_scatter=bool(zero) and pc.backend == "nccl",
-            full_reduce=tied_ids,
-        )
         names = {id(p): n for n, p in named}
         pieces = build_pieces(
-            owned_ranges(self.grads, zero),
+            self.grads.owned_ranges(),
             names,
             exclude_from_decay=opt.weight_decay_exclude_named_params,
         )
@@ -142,7 +138,10 @@ class Trainer:
         except BaseException:
             self.fault.close()  # signal handlers back, watchdog stopped
             raise
-        self.counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
+        # The flat gradient views the norm reads and clipping scales, found once.
+        counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
+        self.norm_views = self.grads.grad_norm_views(counts)
+        self.clip_views = self.grads.owned_grads()
         # z-loss: the loss blocks of this rank (last stage) sum it per micro-batch on the device.
         self.z_loss_blocks = (
             [m for m in model.modules() if isinstance(m, Loss)]
@@ -161,11 +160,16 @@ class Trainer:
             # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
             self.state.extra["run_id"] = self.logger.run_id
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> StepOutput:
+        """One optimizer step. Nothing in it waits for the device, except on a step that will be
+        logged (it reads the loss and the norm, which the record needs anyway, before the
+        optimizer step, so a non-finite step is not applied), on every step under the `skip` and
+        `rollback` non-finite policies (they decide before the optimizer step), and with the
+        opt-in sanity checks. Under `stop`, a non-finite unlogged step is caught at the next
+        logged one."""
         s, cfg, pc = self.state, self.cfg, self.pc
         step = s.step + 1
         self.profiler.begin_step()
-        t0 = time.perf_counter()
         micro_batches = s.data.micro_batches(step + s.data_step_offset)
         micro_batches = [{k: v.to(pc.device) for k, v in mb.items()} for mb in micro_batches]
         self.grads.zero_grad()
@@ -175,93 +179,132 @@ class Trainer:
             micro_batches,
             pc,
             on_last_backward=self.grads.arm,
+            track_activations=self.profiler.enabled,
         )
-        self.grads.finish()  # gradients are now the dp mean (ZeRO-1 on NCCL: own chunks)
+        self.grads.finish()  # gradients are now the dp mean (ZeRO-1 reduce-scatter: own chunks)
         self.tied.sync_gradients()  # sum each tied copy's gradient over first and last stage
-        norm = global_grad_norm(grad_norm_ranges(self.grads, self.zero_stage), None, self.counts)
-        loss = self._global_mean_loss(result.loss)
-        z_loss = self._global_mean_z_loss(len(micro_batches)) if self.z_loss_blocks else None
+        norm = global_grad_norm(self.norm_views, None, pc.device)
+        z_loss = self._take_z_loss(len(micro_batches))
         lr = s.lr_schedule(step)
-        # Both values are on the host already and equal on every rank: no extra sync.
-        action = self.fault.nonfinite.check(loss, norm)
-        if action == "stop":
-            raise nonfinite_stop(step, loss, norm, self.state.model.named_parameters(), pc)
+        action, host_values = "ok", None
+        logged = step % cfg.logging.iteration_step_info_interval == 0
+        if logged or self.fault.nonfinite.policy != "stop":
+            host_values = (self._global_mean_loss(result.loss_tensor), float(norm))
+            action = self.fault.nonfinite.check(*host_values)
+            if action == "stop":
+                raise nonfinite_stop(step, *host_values, self.named_params, pc)
         if action == "ok":
             if cfg.optimizer.clip_grad is not None:
-                clip_grads(self.grads.params, norm, cfg.optimizer.clip_grad)
+                clip_grads(self.clip_views, norm, cfg.optimizer.clip_grad)
             s.optimizer.step(lr)
-            if self.zero_stage:
-                all_gather_params(self.grads)
+            self.grads.gather_params()  # ZeRO: every rank gets the parameters others stepped
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
             check_dp_replicas(self.named_params, pc.dp_group, pc.dp_size, step)
             if not self.tied.copies_equal():
                 raise SanityCheckError(f"step {step}: tied parameter copies disagree")
-        if pc.device.type == "cuda":
-            torch.cuda.synchronize(pc.device)
-        seconds = time.perf_counter() - t0
         seq = cfg.sequence_length_at(step + s.data_step_offset)  # data stages may change it
-        tokens = self.cfg.global_batch_size * seq
         s.step = step
         s.consumed_samples += cfg.global_batch_size
-        s.consumed_tokens += tokens
-        measure = StepMeasure(step, s.consumed_tokens, loss, norm, lr, seconds, tokens)
+        s.consumed_tokens += cfg.global_batch_size * seq
         self.profiler.end_step()
+        return StepOutput(step, result.loss_tensor, norm, lr, seq, z_loss, action, host_values)
+
+    def _take_z_loss(self, micro_batches: int) -> torch.Tensor | None:
+        """This rank's mean z-loss of the step (on the device), resetting the loss blocks."""
+        sums = [m.z_loss_sum for m in self.z_loss_blocks if m.z_loss_sum is not None]
+        for m in self.z_loss_blocks:
+            m.z_loss_sum = None
+        return sum(sums) / micro_batches if sums else None
+
+    def step_record(self, out: StepOutput, seconds_per_step: float) -> dict[str, Any]:
+        """The metrics record of a step: reads the loss and the norm on the host (a sync, and
+        collective over pp and dp for the loss: every rank calls it for the same steps).
+        Under the `stop` policy a non-finite loss or norm stops the run here."""
+        cfg, pc = self.cfg, self.pc
+        if out.host_values is not None:
+            loss, norm = out.host_values
+        else:
+            loss, norm = self._global_mean_loss(out.loss), float(out.grad_norm)
+        action = out.action
+        if out.host_values is None:  # an unlogged step under `stop`: checked now
+            action = self.fault.nonfinite.check(loss, norm)
+            if action == "stop":
+                raise nonfinite_stop(out.step, loss, norm, self.named_params, pc)
+        tokens = cfg.global_batch_size * out.sequence_length
+        measure = StepMeasure(
+            out.step, self.state.consumed_tokens, loss, norm, out.lr, seconds_per_step, tokens
+        )
         record = make_record(
             measure,
             pc.world_size,
-            training_flops_per_token(self.model_config, seq),
+            training_flops_per_token(self.model_config, out.sequence_length),
             self.peak_tflops,
             peak_memory_bytes(pc.device),
             cfg.global_batch_size,
         )
-        if z_loss is not None:
-            record["z_loss"] = z_loss  # lm_loss includes it, as in Nanotron
+        if cfg.model.model_config.z_loss_enabled:  # the same condition on every rank
+            record["z_loss"] = self._global_mean_loss(out.z_loss)  # lm_loss includes it
         return self.fault.annotate(record, action)
 
-    def _global_mean_loss(self, last_stage_loss: float | None) -> float:
+    def _global_mean_loss(self, last_stage_loss: torch.Tensor | None) -> float:
         """Mean over the global batch: the last stage's micro-batch mean, averaged over dp."""
         loss = loss_on_all_pp_ranks(last_stage_loss, self.pc)
-        if self.pc.dp_size == 1:
-            return loss
-        t = torch.tensor([loss], dtype=torch.float64, device=self.pc.device)
-        dist.all_reduce(t, group=self.pc.dp_group)
-        return float(t.item()) / self.pc.dp_size
+        if self.pc.dp_size > 1:
+            dist.all_reduce(loss, group=self.pc.dp_group)
+        return float(loss) / self.pc.dp_size
 
-    def _global_mean_z_loss(self, micro_batches: int) -> float:
-        """The step's mean z-loss (part of lm_loss), on every rank; resets the loss blocks."""
-        sums = [m.z_loss_sum for m in self.z_loss_blocks if m.z_loss_sum is not None]
-        for m in self.z_loss_blocks:
-            m.z_loss_sum = None
-        local = float(sum(sums)) / micro_batches if sums else None
-        return self._global_mean_loss(local)
-
-    def train(self) -> list[dict[str, Any]]:
-        """Run until tokens.train_steps; return every step's record (on every rank)."""
-        records = []
+    def train(
+        self,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+        every_step: bool = False,
+    ) -> dict | None:
+        """Run until tokens.train_steps. Every iteration_step_info_interval steps (and at a
+        non-finite step) a record is made on every rank, logged (rank 0) and passed to
+        `on_record`; returns the last one. Nothing accumulates over the run (except the records
+        of general.benchmark_csv_path, when set, for its summary row). `every_step` (tests,
+        tools) makes a record of every step for `on_record`, logging only the usual ones: it
+        reads the loss and norm every step."""
         interval = self.cfg.logging.iteration_step_info_interval
+        csv_path = self.cfg.general.benchmark_csv_path
+        bench_records: list[dict[str, Any]] = []
+        last: dict[str, Any] | None = None
         try:
             self._saved(self.checkpoints.save_initial())  # checkpoints.save_initial_state
+            since, steps_since = time.perf_counter(), 0
             while self.state.step < self.cfg.tokens.train_steps:
-                rec = self.train_step()
-                records.append(rec)
+                out = self.train_step()
+                steps_since += 1
                 # not a step about to be rolled back; collective: every rank evaluates
-                due = self.evaluator and self.evaluator.due(
-                    rec["step"], self.cfg.tokens.train_steps
-                )
-                if due and rec.get("nonfinite") != "rollback":
-                    rec.update(self.evaluator.evaluate().metrics())
-                if self.logger is not None and (rec["step"] % interval == 0 or "val_loss" in rec):
-                    self.logger.log(rec)
-                if rec.get("nonfinite") == "rollback":
+                due = self.evaluator and self.evaluator.due(out.step, self.cfg.tokens.train_steps)
+                evaluate = due and out.action != "rollback"
+                logged = out.step % interval == 0 or out.action != "ok" or evaluate
+                if logged or every_step:
+                    if self.pc.device.type == "cuda":
+                        torch.cuda.synchronize(self.pc.device)
+                    seconds = (time.perf_counter() - since) / steps_since
+                    last = self.step_record(out, seconds)
+                    if evaluate:
+                        last.update(self.evaluator.evaluate().metrics())
+                    if self.logger is not None and logged:
+                        self.logger.log(last)
+                    if on_record is not None:
+                        on_record(last)
+                    if csv_path and logged:
+                        bench_records.append(last)
+                    since, steps_since = time.perf_counter(), 0  # time steps, not logging
+                if out.action == "rollback":
                     self.fault.rolled_back(self.state.step, self.checkpoints.rollback(), self.pc)
                     continue
                 stop = self.fault.preemption.stop_now(self.state.step)
-                self._saved(self.checkpoints.after_step(force=stop))
+                saved = self.checkpoints.after_step(force=stop)
+                self._saved(saved)
                 if stop:
                     self._saved(self.checkpoints.wait())
                     if self.logger is not None:
                         self.logger.end_status = "preempted"
                     break
+                if saved:
+                    since, steps_since = time.perf_counter(), 0
             self._saved(self.checkpoints.wait())
         except BaseException as exc:  # the dashboard shows the run as failed, with the error
             if self.logger is not None:
@@ -269,11 +312,10 @@ class Trainer:
             raise
         finally:
             self.close()
-        csv_path = self.cfg.general.benchmark_csv_path
-        if csv_path and self.pc.rank == 0 and records:
+        if csv_path and self.pc.rank == 0 and bench_records:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.pc.world_size))
-            append_row(csv_path, benchmark_row(self.cfg, records, self.pc.world_size, local))
-        return records
+            append_row(csv_path, benchmark_row(self.cfg, bench_records, self.pc.world_size, local))
+        return last
 
     def _saved(self, folders) -> None:
         for folder in folders:
@@ -300,9 +342,13 @@ class Trainer:
 
 
 def train(
-    cfg: Config, pc: ParallelContext | None = None, stream: TextIO = sys.stdout
-) -> list[dict]:
-    """Train `cfg` to the end and return the per-step metric records.
+    cfg: Config,
+    pc: ParallelContext | None = None,
+    stream: TextIO = sys.stdout,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    every_step: bool = False,
+) -> dict | None:
+    """Train `cfg` to the end; return the last logged record (see `Trainer.train`).
 
     With `pc=None` a ParallelContext is made from the config (and destroyed at the end);
     tests pass a fresh one per layout to run several layouts in one launch.
@@ -315,7 +361,7 @@ def train(
         backstop = timedelta(seconds=par.collective_timeout_s + BACKEND_TIMEOUT_MARGIN_S)
         pc = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, timeout=backstop)
     try:
-        return Trainer(cfg, pc, stream).train()
+        return Trainer(cfg, pc, stream).train(on_record, every_step)
     finally:
         if own:
             pc.destroy()

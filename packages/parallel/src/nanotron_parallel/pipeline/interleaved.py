@@ -25,22 +25,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from nanotron_parallel.pipeline.p2p import (
-    _HEADER_LEN,
-    TensorMeta,
-    _as_bytes,
-    _from_bytes,
-    _run_batch,
-)
-from nanotron_parallel.pipeline.schedules import (
+from nanotron_parallel.pipeline.p2p import agreed_shapes, exchange_many
+from nanotron_parallel.pipeline.step import (
+    ActivationTracker,
     MicroBatch,
     PipelineScheduleError,
     PipelineStepResult,
-    _ActivationTracker,
+    accumulate_loss,
+    shape_keys,
 )
 
 if TYPE_CHECKING:
@@ -164,36 +159,6 @@ def _simulate(pp: int, v: int, m: int, orders: list[list[Action]]) -> Interleave
     return InterleavedPlan(pp, v, m, slots, messages)
 
 
-def exchange_many(
-    sends: Sequence[tuple[torch.Tensor, int]],
-    srcs: Sequence[int],
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """Post several sends (tensor, global dst) and receives (global src) as one batch each for
-    the headers and the payloads; returns the received tensors in the order of `srcs`. Two
-    messages between the same pair are matched by their order, so callers list them in the
-    same canonical order on both sides."""
-    headers = [torch.empty(_HEADER_LEN, dtype=torch.int64, device=device) for _ in srcs]
-    ops = [
-        dist.P2POp(
-            dist.isend,
-            TensorMeta(tuple(t.shape), t.dtype, t.requires_grad).to_header(t.device),
-            dst,
-            group,
-        )
-        for t, dst in sends
-    ]
-    ops += [dist.P2POp(dist.irecv, h, src, group) for h, src in zip(headers, srcs)]
-    _run_batch(ops)
-    metas = [TensorMeta.from_header(h.cpu()) for h in headers]
-    buffers = [torch.empty(meta.nbytes, dtype=torch.uint8, device=device) for meta in metas]
-    ops = [dist.P2POp(dist.isend, _as_bytes(t), dst, group) for t, dst in sends]
-    ops += [dist.P2POp(dist.irecv, b, src, group) for b, src in zip(buffers, srcs)]
-    _run_batch(ops)
-    return [_from_bytes(b, meta) for b, meta in zip(buffers, metas)]
-
-
 @dataclass
 class _ChunkRun:
     """This rank's state during one interleaved step."""
@@ -202,7 +167,7 @@ class _ChunkRun:
     micro_batches: Sequence[MicroBatch]
     rank: int
     pp: int
-    tracker: _ActivationTracker
+    tracker: ActivationTracker
     on_last_backward: Callable[[], None] | None
     inputs: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -219,8 +184,7 @@ class _ChunkRun:
         with record_function(f"pp.forward stage={vs} mb={mb}"):
             y = self.tracker.forward(self.chunks[chunk], x, self.micro_batches[mb], (mb, chunk))
         if self.is_last_virtual(chunk):
-            loss = y.detach().double()
-            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+            self.loss_sum = accumulate_loss(self.loss_sum, y)
             y = y / len(self.micro_batches)
         self.inputs[mb, chunk], self.outputs[mb, chunk] = x, y
         return y
@@ -245,15 +209,15 @@ def train_step_interleaved_1f1b(
     pc: ParallelContext,
     *,
     on_last_backward: Callable[[], None] | None = None,
+    track_activations: bool = False,
 ) -> PipelineStepResult:
     """One training step with the interleaved 1F1B schedule. `model.chunks` lists this rank's
     v chunks (chunk c = virtual stage c * pp + pp_rank), each called as `chunk(x, batch)`."""
     chunks = list(getattr(model, "chunks", [model]))
     pp, rank = pc.pp_size, pc.pp_rank
     plan = plan_interleaved(pp, len(chunks), len(micro_batches))
-    if pp > 1 and pc.backend == "nccl":  # as StageComm: the group's first collective first
-        dist.all_reduce(torch.zeros(1, device=pc.device), group=pc.pp_group)
-    tracker = _ActivationTracker(nn.ModuleList(chunks))
+    keys = shape_keys(micro_batches)  # p2p shapes are agreed once per key (see p2p.py)
+    tracker = ActivationTracker(nn.ModuleList(chunks), track_activations)
     run = _ChunkRun(chunks, micro_batches, rank, pp, tracker, on_last_backward)
     for slot, sent in zip(plan.slots, plan.messages):
         out: dict[str, torch.Tensor | None] = {}
@@ -279,16 +243,13 @@ def train_step_interleaved_1f1b(
             t = out[msg.kind]
             if t is None:  # an unused input still owes its stage a gradient
                 raise PipelineScheduleError(f"nothing to send for {msg}")
-            sends.append((t, pc.pp_ranks[msg.dst]))
+            sends.append((t, pc.pp_ranks[msg.dst], _key(msg, keys)))
+        recvs = [(pc.pp_ranks[msg.src], _key(msg, keys)) for msg in theirs]
         with record_function("pp.p2p"):
-            got = exchange_many(
-                sends, [pc.pp_ranks[msg.src] for msg in theirs], pc.pp_group, pc.device
-            )
+            got = exchange_many(sends, recvs, pc.pp_group, pc.device, agreed_shapes(model))
         for msg, t in zip(theirs, got):
             run.received[msg.kind, msg.micro_batch, msg.chunk] = t
-    loss = None
-    if run.loss_sum is not None:
-        loss = float(run.loss_sum) / len(micro_batches)
+    loss = None if run.loss_sum is None else run.loss_sum / len(micro_batches)
     return PipelineStepResult(loss, tracker.stats)
 
 
@@ -304,8 +265,7 @@ def forward_only_interleaved(
     chunks = list(getattr(model, "chunks", [model]))
     pp, rank, v = pc.pp_size, pc.pp_rank, len(chunks)
     plan = plan_forward_only(pp, v, len(micro_batches))
-    if pp > 1 and pc.backend == "nccl":  # as StageComm: the group's first collective first
-        dist.all_reduce(torch.zeros(1, device=pc.device), group=pc.pp_group)
+    shapes = shape_keys(micro_batches)  # p2p shapes agreed once per key (see p2p.py)
     received: dict[tuple[int, int], torch.Tensor] = {}
     total: torch.Tensor | None = None
     with torch.no_grad():
@@ -319,17 +279,26 @@ def forward_only_interleaved(
                 if chunk == v - 1 and rank == pp - 1:  # the last virtual stage: a loss
                     term = y.double() * weights[mb]
                     total = term if total is None else total + term
-            sends, srcs, keys = [], [], []
+            sends, recvs, keys = [], [], []
             for msg in sent:
                 if msg.src == rank == msg.dst:  # pp = 1: hand over locally
                     received[msg.micro_batch, msg.chunk] = y
                 elif msg.src == rank:
-                    sends.append((y, pc.pp_ranks[msg.dst]))
+                    key = ("E", msg.chunk, shapes[msg.micro_batch])  # E: no grad, own shapes
+                    sends.append((y, pc.pp_ranks[msg.dst], key))
                 elif msg.dst == rank:
-                    srcs.append(pc.pp_ranks[msg.src])
+                    key = ("E", msg.chunk, shapes[msg.micro_batch])
+                    recvs.append((pc.pp_ranks[msg.src], key))
                     keys.append((msg.micro_batch, msg.chunk))
-            if sends or srcs:
+            if sends or recvs:
                 with record_function("pp.p2p"):
-                    got = exchange_many(sends, srcs, pc.pp_group, pc.device)
+                    agreed = agreed_shapes(model)
+                    got = exchange_many(sends, recvs, pc.pp_group, pc.device, agreed)
                 received.update(zip(keys, got))
     return total
+
+
+def _key(msg: Message, keys: list) -> tuple:
+    """The p2p key of a message: what it carries and for which chunk, and the shapes of its
+    micro-batch (the same on the sending and the receiving rank)."""
+    return (msg.kind, msg.chunk, keys[msg.micro_batch])

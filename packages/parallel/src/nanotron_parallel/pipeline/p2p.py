@@ -1,25 +1,40 @@
 """Point-to-point transfers between neighbouring pipeline stages.
 
-Every tensor travels as two messages: a fixed-size int64 header (ndim, dtype, requires_grad,
-shape) and the payload as raw bytes. The receiver therefore needs no prior knowledge of the
-shape or dtype, and every dtype (bool and bfloat16 included) crosses gloo and NCCL alike,
-because the wire only ever carries int64 and uint8 tensors.
+A tensor travels as its payload (raw bytes), preceded by a fixed-size int64 header (ndim,
+dtype, requires_grad, shape) the first time a link carries that kind of message. Every dtype
+(bool and bfloat16 included) crosses gloo and NCCL alike, because the wire only ever carries
+int64 and uint8 tensors.
 
-`exchange` posts all of one call's sends and receives together with `dist.batch_isend_irecv`,
-header first and payload second. Two neighbours calling it at the same time with mirrored
-arguments (one sends forward and receives backward, the other the reverse) never deadlock.
-A call that both sends and receives must be matched by such a mirrored call on the peer,
-which is what the 1F1B schedule does (see schedules.py).
+Shapes are agreed once, not sent every time: the receiver must read a header on the host
+before it can allocate the payload buffer, a device-to-host sync on a GPU. So each message
+carries a `key` both ends compute alike (the schedules use the message kind and the
+micro-batch's tensor shapes, which every stage holds). The first message of a key on a link
+sends its header and both ends remember the shape in `agreed` (a dict kept with the stage
+module, `agreed_shapes(stage)`: another model, e.g. another tp mode, agrees anew); later
+messages with that key send the payload only. A new key (a
+micro-batch of another shape) negotiates again. A sender whose tensor no longer has the
+agreed shape for its key raises P2PError instead of sending bytes the peer cannot read.
+`key=None` always negotiates (direct `exchange` calls, tests).
+
+`exchange_many` posts all of one call's headers together with `dist.batch_isend_irecv`, then
+all the payloads. Two neighbours calling it at the same time with mirrored arguments (one
+sends forward and receives backward, the other the reverse) never deadlock. A call that both
+sends and receives must be matched by such a mirrored call on the peer, which is what the
+1F1B schedule does (see schedules.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.profiler import record_function
+
+from nanotron_parallel.context import collective_device
 
 if TYPE_CHECKING:
     from nanotron_parallel.context import ParallelContext
@@ -63,8 +78,12 @@ class TensorMeta:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+
+    @staticmethod
     def from_header(header: torch.Tensor) -> TensorMeta:
-        values = header.tolist()
+        values = header.tolist()  # a host sync on a GPU: once per key and link
         ndim = values[0]
         return TensorMeta(tuple(values[3 : 3 + ndim]), _DTYPES[values[1]], bool(values[2]))
 
@@ -90,11 +109,16 @@ def _from_bytes(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return out
 
 
-def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where received tensors live: the current CUDA device under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+Agreed = dict[tuple[str, int, Hashable], TensorMeta]
+
+
+def agreed_shapes(stage: nn.Module) -> Agreed:
+    """The p2p shapes `stage` has agreed with its neighbours, kept with the module so that
+    they live as long as the model (every step reuses them)."""
+    return stage.__dict__.setdefault(_AGREED_ATTR, {})
+
+
+_AGREED_ATTR = "_nanotron_p2p_agreed"
 
 
 def _run_batch(ops: list[dist.P2POp]) -> None:
@@ -103,12 +127,66 @@ def _run_batch(ops: list[dist.P2POp]) -> None:
             work.wait()
 
 
+def exchange_many(
+    sends: Sequence[tuple[torch.Tensor, int, Hashable]],
+    recvs: Sequence[tuple[int, Hashable]],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    agreed: Agreed | None = None,
+) -> list[torch.Tensor]:
+    """Post sends `(tensor, global dst, key)` and receives `(global src, key)` together; return
+    the received tensors in the order of `recvs`. Two messages between the same pair are
+    matched by their order, so callers list them in the same order on both sides. Shapes of
+    keys in `agreed` are not sent again (see the module docstring)."""
+    agreed = {} if agreed is None else agreed
+    header_ops: list[dist.P2POp] = []
+    for t, dst, key in sends:
+        meta = TensorMeta.of(t)
+        known = agreed.get(("send", dst, key)) if key is not None else None
+        if known is None:
+            header_ops.append(dist.P2POp(dist.isend, meta.to_header(t.device), dst, group))
+            if key is not None:
+                agreed["send", dst, key] = meta
+        elif known != meta:
+            raise P2PError(
+                f"tensor {meta} for rank {dst} differs from the shape agreed for key {key!r} "
+                f"({known}); a message whose shape changes needs a new key"
+            )
+    metas: list[TensorMeta | None] = []
+    headers: list[tuple[int, torch.Tensor]] = []
+    for i, (src, key) in enumerate(recvs):
+        known = agreed.get(("recv", src, key)) if key is not None else None
+        if known is None:
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=device)
+            header_ops.append(dist.P2POp(dist.irecv, header, src, group))
+            headers.append((i, header))
+        metas.append(known)
+    if header_ops:
+        with record_function("pp.p2p.headers"):
+            _run_batch(header_ops)
+    for i, header in headers:
+        meta = TensorMeta.from_header(header)
+        src, key = recvs[i]
+        metas[i] = meta
+        if key is not None:
+            agreed["recv", src, key] = meta
+    buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in metas]  # type: ignore[union-attr]
+    ops = [dist.P2POp(dist.isend, _as_bytes(t), dst, group) for t, dst, _ in sends]
+    ops += [dist.P2POp(dist.irecv, b, src, group) for b, (src, _) in zip(buffers, recvs)]
+    with record_function(f"pp.p2p.payloads sends={len(sends)} recvs={len(recvs)}"):
+        _run_batch(ops)
+    return [_from_bytes(b, m) for b, m in zip(buffers, metas)]  # type: ignore[arg-type]
+
+
 def exchange(
     send: torch.Tensor | None = None,
     dst: int | None = None,
     src: int | None = None,
     group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
+    send_key: Hashable = None,
+    recv_key: Hashable = None,
+    agreed: Agreed | None = None,
 ) -> torch.Tensor | None:
     """Send `send` to global rank `dst` and/or receive one tensor from global rank `src`.
 
@@ -117,26 +195,11 @@ def exchange(
     """
     if (send is None) != (dst is None):
         raise P2PError("exchange needs both a tensor and a destination, or neither")
-    device = device or (send.device if send is not None else default_device(group))
-    recv_header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=device)
-    ops: list[dist.P2POp] = []
-    if send is not None:
-        meta = TensorMeta(tuple(send.shape), send.dtype, send.requires_grad)
-        ops.append(dist.P2POp(dist.isend, meta.to_header(send.device), dst, group))
-    if src is not None:
-        ops.append(dist.P2POp(dist.irecv, recv_header, src, group))
-    _run_batch(ops)
-
-    ops = []
-    recv_buffer = None
-    if send is not None:
-        ops.append(dist.P2POp(dist.isend, _as_bytes(send), dst, group))
-    if src is not None:
-        recv_meta = TensorMeta.from_header(recv_header.cpu())
-        recv_buffer = torch.empty(recv_meta.nbytes, dtype=torch.uint8, device=device)
-        ops.append(dist.P2POp(dist.irecv, recv_buffer, src, group))
-    _run_batch(ops)
-    return None if recv_buffer is None else _from_bytes(recv_buffer, recv_meta)
+    device = device or (send.device if send is not None else collective_device(group))
+    sends = [] if send is None else [(send, dst, send_key)]
+    recvs = [] if src is None else [(src, recv_key)]
+    got = exchange_many(sends, recvs, group, device, agreed)  # type: ignore[arg-type]
+    return got[0] if got else None
 
 
 def send_tensor(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
@@ -158,7 +221,8 @@ class StageComm:
     """The four directions one pipeline stage talks in, for the schedules.
 
     `prev` and `next` are the global ranks of the neighbouring stages (None at the ends); the
-    calls that involve a missing neighbour do nothing and return None.
+    calls that involve a missing neighbour do nothing and return None. Each call takes the
+    keys of its messages (see the module docstring); `agreed` outlives the step.
     """
 
     prev: int | None
@@ -166,17 +230,21 @@ class StageComm:
     group: dist.ProcessGroup | None
     device: torch.device
     stage: int = 0  # this pp rank, for the profiler's range names
+    agreed: Agreed | None = None
 
     @staticmethod
-    def from_context(pc: ParallelContext) -> StageComm:
-        if pc.pp_size > 1 and pc.backend == "nccl":
-            # NCCL needs every rank of a group in its first collective before batched p2p
-            # between a subset of them; one tiny all-reduce per step makes sure of it.
-            dist.all_reduce(torch.zeros(1, device=pc.device), group=pc.pp_group)
-        return StageComm(pc.prev_stage_rank, pc.next_stage_rank, pc.pp_group, pc.device, pc.pp_rank)
+    def from_context(pc: ParallelContext, agreed: Agreed | None = None) -> StageComm:
+        return StageComm(
+            pc.prev_stage_rank, pc.next_stage_rank, pc.pp_group, pc.device, pc.pp_rank, agreed
+        )
 
     def _exchange(
-        self, send: torch.Tensor | None, dst: int | None, src: int | None
+        self,
+        send: torch.Tensor | None,
+        dst: int | None,
+        src: int | None,
+        send_key: Hashable = None,
+        recv_key: Hashable = None,
     ) -> torch.Tensor | None:
         if dst is None:
             send = None  # the last stage sends no activation, the first no input gradient
@@ -185,22 +253,37 @@ class StageComm:
         if send is None and src is None:
             return None
         with record_function("pp.p2p"):
-            return exchange(send, dst, src, self.group, self.device)
+            return exchange(
+                send, dst, src, self.group, self.device, send_key, recv_key, self.agreed
+            )
 
-    def recv_forward(self) -> torch.Tensor | None:
-        return self._exchange(None, None, self.prev)
+    def recv_forward(self, key: Hashable = None) -> torch.Tensor | None:
+        return self._exchange(None, None, self.prev, recv_key=_kind(FORWARD, key))
 
-    def send_forward(self, y: torch.Tensor) -> None:
-        self._exchange(y, self.next, None)
+    def send_forward(self, y: torch.Tensor, key: Hashable = None) -> None:
+        self._exchange(y, self.next, None, send_key=_kind(FORWARD, key))
 
-    def recv_backward(self) -> torch.Tensor | None:
-        return self._exchange(None, None, self.next)
+    def recv_backward(self, key: Hashable = None) -> torch.Tensor | None:
+        return self._exchange(None, None, self.next, recv_key=_kind(BACKWARD, key))
 
-    def send_backward(self, grad_x: torch.Tensor | None) -> None:
-        self._exchange(grad_x, self.prev, None)
+    def send_backward(self, grad_x: torch.Tensor | None, key: Hashable = None) -> None:
+        self._exchange(grad_x, self.prev, None, send_key=_kind(BACKWARD, key))
 
-    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor | None:
-        return self._exchange(y, self.next, self.next)
+    def send_forward_recv_backward(
+        self, y: torch.Tensor, key: Hashable = None, recv_key: Hashable = None
+    ) -> torch.Tensor | None:
+        keys = _kind(FORWARD, key), _kind(BACKWARD, recv_key)
+        return self._exchange(y, self.next, self.next, *keys)
 
-    def send_backward_recv_forward(self, grad_x: torch.Tensor | None) -> torch.Tensor | None:
-        return self._exchange(grad_x, self.prev, self.prev)
+    def send_backward_recv_forward(
+        self, grad_x: torch.Tensor | None, key: Hashable = None, recv_key: Hashable = None
+    ) -> torch.Tensor | None:
+        keys = _kind(BACKWARD, key), _kind(FORWARD, recv_key)
+        return self._exchange(grad_x, self.prev, self.prev, *keys)
+
+
+FORWARD, BACKWARD = "F", "B"  # activations travel forward, their gradients backward
+
+
+def _kind(kind: str, key: Hashable) -> Hashable:
+    return None if key is None else (kind, key)

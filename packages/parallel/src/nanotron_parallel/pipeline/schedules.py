@@ -9,78 +9,44 @@ loss over the m micro-batches. With pp = 1 both schedules are plain gradient acc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from nanotron_parallel.pipeline.p2p import StageComm
+from nanotron_parallel.pipeline.interleaved import (
+    forward_only_interleaved,
+    train_step_interleaved_1f1b,
+)
+from nanotron_parallel.pipeline.p2p import StageComm, agreed_shapes
+from nanotron_parallel.pipeline.step import (
+    ActivationTracker,
+    MicroBatch,
+    PipelineScheduleError,
+    PipelineStats,
+    PipelineStepResult,
+    accumulate_loss,
+    shape_keys,
+)
 
 if TYPE_CHECKING:
     from nanotron_parallel.context import ParallelContext
 
-MicroBatch = dict[str, Any]
-
-
-class PipelineScheduleError(ValueError):
-    """A schedule called with arguments it cannot run (unknown engine, no micro-batches)."""
-
-
-@dataclass
-class PipelineStats:
-    """What one step kept alive on this stage, measured, not estimated."""
-
-    peak_live_micro_batches: int = 0  # forwarded, backward not yet done
-    peak_saved_activation_bytes: int = 0  # tensors autograd saved for backward, parameters excluded
-
-
-@dataclass
-class PipelineStepResult:
-    """`loss` is the mean micro-batch loss on the last stage and None on the other stages
-    (see `loss_on_all_pp_ranks` to share it)."""
-
-    loss: float | None
-    stats: PipelineStats = field(default_factory=PipelineStats)
-
-
-class _ActivationTracker:
-    """Counts live micro-batches and the bytes autograd saves for them (saved_tensors_hooks)."""
-
-    def __init__(self, stage: nn.Module) -> None:
-        self.stats = PipelineStats()
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-        self._bytes_of: dict[int, int] = {}
-        self._live_bytes = 0
-
-    def forward(
-        self, stage: nn.Module, x: torch.Tensor | None, batch: MicroBatch, i: int
-    ) -> torch.Tensor:
-        seen: set[int] = set()
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._param_ptrs and ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = stage(x, batch)
-        self._bytes_of[i] = total
-        self._live_bytes += total
-        s = self.stats
-        s.peak_live_micro_batches = max(s.peak_live_micro_batches, len(self._bytes_of))
-        s.peak_saved_activation_bytes = max(s.peak_saved_activation_bytes, self._live_bytes)
-        return y
-
-    def backward_done(self, i: int) -> None:
-        self._live_bytes -= self._bytes_of.pop(i)
+__all__ = [
+    "ENGINES",
+    "MicroBatch",
+    "PipelineScheduleError",
+    "PipelineStats",
+    "PipelineStepResult",
+    "loss_on_all_pp_ranks",
+    "run_pipeline_step",
+    "train_step_1f1b",
+    "train_step_afab",
+]
 
 
 @dataclass
@@ -92,7 +58,8 @@ class _StageRun:
     comm: StageComm
     is_last: bool
     on_last_backward: Callable[[], None] | None
-    tracker: _ActivationTracker
+    tracker: ActivationTracker
+    keys: list[Hashable]  # per micro-batch: the p2p key of its messages
     inputs: dict[int, torch.Tensor | None] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None  # summed on the device: no host sync per micro-batch
@@ -102,8 +69,7 @@ class _StageRun:
         with record_function(f"pp.forward stage={self.comm.stage} mb={i}"):
             y = self.tracker.forward(self.stage, x, self.micro_batches[i], i)
         if self.is_last:
-            loss = y.detach().double()
-            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+            self.loss_sum = accumulate_loss(self.loss_sum, y)
             y = y / len(self.micro_batches)  # gradient of the mean loss over micro-batches
         self.inputs[i], self.outputs[i] = x, y
         return y
@@ -127,18 +93,20 @@ def _start(
     micro_batches: Sequence[MicroBatch],
     pc: ParallelContext,
     on_last_backward: Callable[[], None] | None,
+    track_activations: bool,
 ) -> _StageRun:
     if len(micro_batches) == 0:
         raise PipelineScheduleError("a pipeline step needs at least one micro-batch, got 0")
-    comm = StageComm.from_context(pc)
-    tracker = _ActivationTracker(stage)
-    return _StageRun(stage, micro_batches, comm, pc.is_last_stage, on_last_backward, tracker)
+    comm = StageComm.from_context(pc, agreed_shapes(stage))
+    tracker = ActivationTracker(stage, track_activations)
+    keys = shape_keys(micro_batches)
+    return _StageRun(stage, micro_batches, comm, pc.is_last_stage, on_last_backward, tracker, keys)
 
 
 def _finish(run: _StageRun) -> PipelineStepResult:
     loss = None
     if run.is_last and run.loss_sum is not None:
-        loss = float(run.loss_sum) / len(run.micro_batches)
+        loss = run.loss_sum / len(run.micro_batches)
     return PipelineStepResult(loss, run.tracker.stats)
 
 
@@ -148,17 +116,18 @@ def train_step_afab(
     pc: ParallelContext,
     *,
     on_last_backward: Callable[[], None] | None = None,
+    track_activations: bool = False,
 ) -> PipelineStepResult:
     """All forwards, then all backwards: simple, but every micro-batch's activations stay
     alive until the backward phase starts (m per stage)."""
-    run = _start(stage, micro_batches, pc, on_last_backward)
-    m = len(micro_batches)
+    run = _start(stage, micro_batches, pc, on_last_backward, track_activations)
+    comm, key, m = run.comm, run.keys, len(micro_batches)
     for i in range(m):
-        x = run.comm.recv_forward()
-        run.comm.send_forward(run.forward(i, x))
+        x = comm.recv_forward(key[i])
+        comm.send_forward(run.forward(i, x), key[i])
     for i in range(m):
-        grad_y = run.comm.recv_backward()
-        run.comm.send_backward(run.backward(i, grad_y))
+        grad_y = comm.recv_backward(key[i])
+        comm.send_backward(run.backward(i, grad_y), key[i])
     return _finish(run)
 
 
@@ -168,6 +137,7 @@ def train_step_1f1b(
     pc: ParallelContext,
     *,
     on_last_backward: Callable[[], None] | None = None,
+    track_activations: bool = False,
 ) -> PipelineStepResult:
     """One forward, one backward: after a warm-up of pp - rank - 1 forwards every forward is
     followed by a backward, so at most pp - rank micro-batches are alive on this stage.
@@ -178,28 +148,28 @@ def train_step_1f1b(
     steady phase), m - W send-and-receives, W sends. This holds for every m, m < pp included
     (the steady phase is then empty on the first stages).
     """
-    run = _start(stage, micro_batches, pc, on_last_backward)
-    comm, m = run.comm, len(micro_batches)
+    run = _start(stage, micro_batches, pc, on_last_backward, track_activations)
+    comm, key, m = run.comm, run.keys, len(micro_batches)
     warmup = min(pc.pp_size - pc.pp_rank - 1, m)
     steady = m - warmup
 
     for i in range(warmup):
-        x = comm.recv_forward()
-        comm.send_forward(run.forward(i, x))
+        x = comm.recv_forward(key[i])
+        comm.send_forward(run.forward(i, x), key[i])
 
-    x = comm.recv_forward() if steady > 0 else None
+    x = comm.recv_forward(key[warmup]) if steady > 0 else None
     for k in range(steady):
         fwd, bwd = warmup + k, k
-        grad_y = comm.send_forward_recv_backward(run.forward(fwd, x))
+        grad_y = comm.send_forward_recv_backward(run.forward(fwd, x), key[fwd], key[bwd])
         grad_x = run.backward(bwd, grad_y)
         if k == steady - 1:
-            comm.send_backward(grad_x)
+            comm.send_backward(grad_x, key[bwd])
         else:
-            x = comm.send_backward_recv_forward(grad_x)
+            x = comm.send_backward_recv_forward(grad_x, key[bwd], key[fwd + 1])
 
     for bwd in range(steady, m):
-        grad_y = comm.recv_backward()
-        comm.send_backward(run.backward(bwd, grad_y))
+        grad_y = comm.recv_backward(key[bwd])
+        comm.send_backward(run.backward(bwd, grad_y), key[bwd])
     return _finish(run)
 
 
@@ -218,18 +188,19 @@ def forward_only(
     """
     if len(micro_batches) == 0:
         raise PipelineScheduleError("an evaluation step needs at least one micro-batch, got 0")
-    comm = StageComm.from_context(pc)
+    comm = StageComm.from_context(pc, agreed_shapes(stage))
+    keys = [("E", k) for k in shape_keys(micro_batches)]  # E: no grad, its own shapes
     total: torch.Tensor | None = None
     with torch.no_grad():
         for i, batch in enumerate(micro_batches):
-            x = comm.recv_forward()
+            x = comm.recv_forward(keys[i])
             with record_function(f"pp.eval_forward stage={comm.stage} mb={i}"):
                 y = stage(x, batch)
             if pc.is_last_stage:
                 term = y.double() * weights[i]
                 total = term if total is None else total + term
             else:
-                comm.send_forward(y)
+                comm.send_forward(y, keys[i])
     return total
 
 
@@ -242,8 +213,6 @@ def run_forward_only(
 ) -> torch.Tensor | None:
     """The forward-only twin of `run_pipeline_step`: the model layout of `engine`, no grads."""
     if engine == "interleaved-1f1b":
-        from nanotron_parallel.pipeline.interleaved import forward_only_interleaved
-
         return forward_only_interleaved(stage, micro_batches, pc, weights)
     return forward_only(stage, micro_batches, pc, weights)
 
@@ -251,6 +220,7 @@ def run_forward_only(
 ENGINES: dict[str, Callable[..., PipelineStepResult]] = {
     "afab": train_step_afab,
     "1f1b": train_step_1f1b,
+    "interleaved-1f1b": train_step_interleaved_1f1b,  # v chunks per rank: its own module
 }
 
 
@@ -261,27 +231,31 @@ def run_pipeline_step(
     pc: ParallelContext,
     *,
     on_last_backward: Callable[[], None] | None = None,
+    track_activations: bool = False,
 ) -> PipelineStepResult:
-    """Run one training step's forwards and backwards with the named engine."""
-    if engine == "interleaved-1f1b":  # v chunks per rank: its own module
-        from nanotron_parallel.pipeline.interleaved import train_step_interleaved_1f1b
-
-        return train_step_interleaved_1f1b(
-            stage, micro_batches, pc, on_last_backward=on_last_backward
-        )
+    """Run one training step's forwards and backwards with the named engine.
+    `track_activations` measures the saved-activation bytes (hooks on every forward)."""
     if engine not in ENGINES:
         raise PipelineScheduleError(
-            f"parallelism.pp_engine must be one of {sorted(ENGINES)} or 'interleaved-1f1b', "
-            f"got {engine!r}"
+            f"parallelism.pp_engine must be one of {sorted(ENGINES)}, got {engine!r}"
         )
-    return ENGINES[engine](stage, micro_batches, pc, on_last_backward=on_last_backward)
+    return ENGINES[engine](
+        stage,
+        micro_batches,
+        pc,
+        on_last_backward=on_last_backward,
+        track_activations=track_activations,
+    )
 
 
-def loss_on_all_pp_ranks(loss: float | None, pc: ParallelContext) -> float:
-    """Broadcast the last stage's mean loss to every rank of its pipeline group (collective
-    over the pp group: every stage calls it)."""
-    value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+def loss_on_all_pp_ranks(loss: torch.Tensor | float | None, pc: ParallelContext) -> torch.Tensor:
+    """The last stage's mean loss on every rank of its pipeline group, as a 0-d float64 device
+    tensor (collective over the pp group when pp > 1: every stage calls it). No host sync."""
+    if isinstance(loss, torch.Tensor):
+        value = loss.detach().to(device=pc.device, dtype=torch.float64).reshape(())
+    else:
+        value = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64, device=pc.device)
     if pc.pp_size > 1:
-        value = value.to(pc.device)
+        value = value.clone()
         dist.broadcast(value, src=pc.pp_ranks[-1], group=pc.pp_group)
-    return float(value.item())
+    return value

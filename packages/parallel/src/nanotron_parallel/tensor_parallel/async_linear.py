@@ -22,7 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from nanotron_parallel.tensor_parallel.functional import _all_gather_tensor, _reduce_scatter_tensor
+from nanotron_parallel.tensor_parallel.functional import (
+    _all_gather_tensor,
+    _reduce_scatter_tensor,
+    native_reduce_scatter,
+)
 
 Group = dist.ProcessGroup | None
 
@@ -35,12 +39,12 @@ def _start_all_gather(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, dist
     return out, _all_gather_tensor(out, x, group=group, async_op=True)
 
 
-def _start_reduce_scatter(x: torch.Tensor, group: Group):
+def _start_reduce_scatter(x: torch.Tensor, group: Group, native: bool | None):
     """Begin summing `x` over tp, keeping this rank's chunk of dim 0. Returns a function that
-    waits and gives the chunk (gloo has no native reduce-scatter: all-reduce then slice)."""
+    waits and gives the chunk (on gloo, unless forced, all-reduce then slice: faster there)."""
     x = x.contiguous()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if dist.get_backend(group) == "nccl":
+    if native_reduce_scatter(group, native):
         out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
         handle = _reduce_scatter_tensor(out, x, group=group, async_op=True)
         return lambda: (handle.wait(), out)[1]
@@ -56,7 +60,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
     """y = all_gather_seq(x) W^T + b, gathering while computing."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, recompute_allgather=False):
+    def forward(ctx, x, weight, bias, group, native, recompute_allgather=False):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         with record_function("tp.all_gather.async"):
             full, handle = _start_all_gather(x, group)
@@ -67,7 +71,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
             own if j == rank else F.linear(full[j * n : (j + 1) * n], weight, bias)
             for j in range(world)
         ]
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.native = group, bias is not None, native
         ctx.recompute = recompute_allgather  # keep the shard; gather it again in the backward
         ctx.save_for_backward(x if recompute_allgather else full, weight)
         return torch.cat(parts, dim=0)
@@ -84,7 +88,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
         finish = None
         if ctx.needs_input_grad[0]:
             with record_function("tp.reduce_scatter.async"):
-                finish = _start_reduce_scatter(grad_y.matmul(weight), ctx.group)
+                finish = _start_reduce_scatter(grad_y.matmul(weight), ctx.group, ctx.native)
         if ctx.needs_input_grad[1]:  # overlaps the reduce-scatter
             if full_handle is not None:
                 full, handle = full_handle
@@ -94,16 +98,16 @@ class _AsyncColumnLinear(torch.autograd.Function):
             grad_b = _flat(grad_y).sum(0)
         if finish is not None:
             grad_x = finish()
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _AsyncRowLinear(torch.autograd.Function):
     """reduce_scatter_seq(x W^T); the backward gathers the gradient while computing."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, native):
         with record_function("tp.reduce_scatter"):
-            out = _start_reduce_scatter(F.linear(x, weight), group)()
+            out = _start_reduce_scatter(F.linear(x, weight), group, native)()
         ctx.group = group
         ctx.save_for_backward(x, weight)
         return out
@@ -135,7 +139,7 @@ class _AsyncRowLinear(torch.autograd.Function):
             for _, gw in per_chunk[1:]:
                 grad_w = grad_w + gw
             grad_w = grad_w.to(weight.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 def async_column_linear(
@@ -143,17 +147,20 @@ def async_column_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     group: Group,
+    native: bool | None = None,
     recompute_allgather: bool = False,
 ) -> torch.Tensor:
     """Column-parallel linear of a sequence-sharded input `[s/tp, b, in]` -> `[s, b, out/tp]`
     (`recompute_allgather`: keep only the shard for the backward, which gathers it again)."""
-    return _AsyncColumnLinear.apply(x, weight, bias, group, recompute_allgather)
+    return _AsyncColumnLinear.apply(x, weight, bias, group, native, recompute_allgather)
 
 
-def async_row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+def async_row_linear(
+    x: torch.Tensor, weight: torch.Tensor, group: Group, native: bool | None = None
+) -> torch.Tensor:
     """Row-parallel linear `[s, b, in/tp]` -> reduce-scattered `[s/tp, b, out]` (no bias)."""
     if x.shape[0] % dist.get_world_size(group) != 0:
         raise ValueError(
             f"sequence length {x.shape[0]} is not divisible by tp={dist.get_world_size(group)}"
         )
-    return _AsyncRowLinear.apply(x, weight, group)
+    return _AsyncRowLinear.apply(x, weight, group, native)

@@ -32,13 +32,19 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> None:
         )
 
 
+def all_reduce_(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce `x` in place over `group` (nothing to do for a group of one); returns `x`."""
+    if _world(group) > 1:
+        with record_function("tp.all_reduce"):
+            dist.all_reduce(x, op=op, group=group)
+    return x
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Out-of-place all-reduce for the autograd functions (their input must not change)."""
     if _world(group) == 1:
         return x
-    out = x.contiguous().clone()
-    with record_function("tp.all_reduce"):
-        dist.all_reduce(out, group=group)
-    return out
+    return all_reduce_(x.contiguous().clone(), group)
 
 
 def _split(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -63,13 +69,19 @@ def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+def native_reduce_scatter(group: Group, native: bool | None) -> bool:
+    """Whether to run the backend's reduce-scatter (`native=None`: under NCCL only; gloo's
+    all-reduce + slice is faster there, and tests force the NCCL path with `native=True`)."""
+    return dist.get_backend(group) == "nccl" if native is None else native
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group, dim: int, native: bool | None) -> torch.Tensor:
     world = _world(group)
     if world == 1:
         return x
     _check_divisible(x, dim, world, "reduce-scatter across tp")
     moved = x.movedim(dim, 0).contiguous()
-    if dist.get_backend(group) == "nccl":
+    if native_reduce_scatter(group, native):
         out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
         with record_function("tp.reduce_scatter"):
             _reduce_scatter_tensor(out, moved, group=group)
@@ -129,26 +141,26 @@ class _GatherFromTP(torch.autograd.Function):
 
 class _AllGatherToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x, group, dim, native):
+        ctx.group, ctx.dim, ctx.native = group, dim, native
         out = _all_gather(x, group, dim)
         return out.view_as(out) if out is x else out
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.native), None, None, None
 
 
 class _ReduceScatterFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx, x, group, dim, native):
         ctx.group, ctx.dim = group, dim
-        out = _reduce_scatter(x, group, dim)
+        out = _reduce_scatter(x, group, dim, native)
         return out.view_as(out) if out is x else out
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        return _all_gather(grad, ctx.group, ctx.dim), None, None, None
 
 
 def _norm_dim(x: torch.Tensor, dim: int) -> int:
@@ -177,11 +189,17 @@ def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor
     return _GatherFromTP.apply(x, group, _norm_dim(x, dim))
 
 
-def all_gather_to_tp(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """All-gather along ``dim`` (sequence parallel -> tp region); reduce-scatter gradient."""
-    return _AllGatherToTP.apply(x, group, _norm_dim(x, dim))
+def all_gather_to_tp(
+    x: torch.Tensor, group: Group, dim: int = 0, native: bool | None = None
+) -> torch.Tensor:
+    """All-gather along ``dim`` (sequence parallel -> tp region); reduce-scatter gradient
+    (``native``: see `native_reduce_scatter`)."""
+    return _AllGatherToTP.apply(x, group, _norm_dim(x, dim), native)
 
 
-def reduce_scatter_from_tp(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Sum over tp and keep this rank's chunk of ``dim``; all-gather of the gradient."""
-    return _ReduceScatterFromTP.apply(x, group, _norm_dim(x, dim))
+def reduce_scatter_from_tp(
+    x: torch.Tensor, group: Group, dim: int = 0, native: bool | None = None
+) -> torch.Tensor:
+    """Sum over tp and keep this rank's chunk of ``dim``; all-gather of the gradient
+    (``native``: see `native_reduce_scatter`)."""
+    return _ReduceScatterFromTP.apply(x, group, _norm_dim(x, dim), native)

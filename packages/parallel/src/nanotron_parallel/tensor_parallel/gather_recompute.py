@@ -21,8 +21,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 class _GatherRecomputeLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, native):
+        ctx.group, ctx.has_bias, ctx.native = group, bias is not None, native
         ctx.save_for_backward(x, weight)  # the shard, not the gathered input
         return F.linear(_all_gather(x, group, dim=0), weight, bias)
 
@@ -31,15 +31,16 @@ class _GatherRecomputeLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _reduce_scatter(grad_y.matmul(weight), ctx.group, dim=0)
+            grad_x = _reduce_scatter(grad_y.matmul(weight), ctx.group, 0, ctx.native)
         if ctx.needs_input_grad[1]:
             full = _all_gather(x, ctx.group, dim=0)  # recomputed
             grad_w = _flat(grad_y).t().matmul(_flat(full)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = _flat(grad_y).sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
-def gather_recompute_linear(x, weight, bias, group) -> torch.Tensor:
-    """`[s/tp, b, in]` -> `[s, b, out/tp]`, saving only the input shard for the backward."""
-    return _GatherRecomputeLinear.apply(x, weight, bias, group)
+def gather_recompute_linear(x, weight, bias, group, native: bool | None = None) -> torch.Tensor:
+    """`[s/tp, b, in]` -> `[s, b, out/tp]`, saving only the input shard for the backward
+    (`native`: see `functional.native_reduce_scatter`)."""
+    return _GatherRecomputeLinear.apply(x, weight, bias, group, native)

@@ -62,10 +62,33 @@ def _group_coords(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 class _TPLinearBase(nn.Module):
-    """Shared parameter creation, initialisation and full-weight loading."""
+    """Shared parameter creation, initialisation, full-weight loading and the choice of how
+    the layer communicates (`set_communication`)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
+    mode: TensorParallelLinearMode
+    async_communication: bool = False
+    tensor_collectives: bool | None = None  # None: the backend's default
+    recompute_allgather: bool = False
+
+    def set_communication(
+        self,
+        mode: TensorParallelLinearMode | str,
+        async_communication: bool = False,
+        tensor_collectives: bool | None = None,
+        recompute_allgather: bool = False,
+    ) -> None:
+        """Switch the tp mode, the overlapped (async) linears, whether reduce-scatters run
+        natively (`tensor_collectives`, NCCL's default; tests force it on gloo), and, in
+        REDUCE_SCATTER mode, whether a column-parallel linear keeps only its input shard and
+        gathers it again in the backward (`recompute_allgather`, Nanotron's
+        tp_recompute_allgather). The weights depend on none of these."""
+        self.mode = _mode(mode)
+        self.async_communication = _check_async(async_communication, self.mode, type(self).__name__)
+        self.tensor_collectives = tensor_collectives
+        sequence_parallel = self.mode is TensorParallelLinearMode.REDUCE_SCATTER
+        self.recompute_allgather = bool(recompute_allgather) and sequence_parallel
 
     def _make_params(
         self,
@@ -153,15 +176,11 @@ class ColumnParallelLinear(_TPLinearBase):
         sections: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        self.group, self.mode = group, _mode(mode)
-        self.async_communication = _check_async(
-            async_communication, self.mode, "ColumnParallelLinear"
-        )
+        self.group = group
+        self.set_communication(mode, async_communication)
         self.tp_rank, self.tp_size = _group_coords(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
-        # REDUCE_SCATTER: keep the input shard, gather it again in the backward (less memory).
-        self.recompute_allgather = False
         self.sections = None if sections is None else [int(s) for s in sections]
         if self.sections is not None:
             if sum(self.sections) != out_features:
@@ -190,16 +209,15 @@ class ColumnParallelLinear(_TPLinearBase):
         return shard_tensor(bias, 0, self.tp_rank, self.tp_size, self.sections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.async_communication and self.tp_size > 1:
-            y = async_column_linear(  # overlapped gather
-                x, self.weight, self.bias, self.group, self.recompute_allgather
-            )
+        native, recompute = self.tensor_collectives, self.recompute_allgather
+        if self.async_communication and self.tp_size > 1:  # overlapped gather
+            y = async_column_linear(x, self.weight, self.bias, self.group, native, recompute)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
             y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
-        elif self.recompute_allgather and self.tp_size > 1:
-            y = gather_recompute_linear(x, self.weight, self.bias, self.group)
+        elif recompute and self.tp_size > 1:  # keep the shard, gather again in the backward
+            y = gather_recompute_linear(x, self.weight, self.bias, self.group, native)
         else:
-            y = F.linear(all_gather_to_tp(x, self.group, dim=0), self.weight, self.bias)
+            y = F.linear(all_gather_to_tp(x, self.group, 0, native), self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tp(y, self.group, dim=-1)
         return y
@@ -230,8 +248,8 @@ class RowParallelLinear(_TPLinearBase):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.group, self.mode = group, _mode(mode)
-        self.async_communication = _check_async(async_communication, self.mode, "RowParallelLinear")
+        self.group = group
+        self.set_communication(mode, async_communication)
         self.tp_rank, self.tp_size = _group_coords(group)
         self.in_features, self.out_features = in_features, out_features
         local_in = _tp_divide(in_features, self.tp_size, "RowParallelLinear in_features")
@@ -253,12 +271,13 @@ class RowParallelLinear(_TPLinearBase):
         return bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.async_communication and self.tp_size > 1:
-            y = async_row_linear(x, self.weight, self.group)  # backward overlaps its gather
+        native = self.tensor_collectives
+        if self.async_communication and self.tp_size > 1:  # backward overlaps its gather
+            y = async_row_linear(x, self.weight, self.group, native)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
             y = reduce_from_tp(F.linear(x, self.weight), self.group)
         else:
-            y = reduce_scatter_from_tp(F.linear(x, self.weight), self.group, dim=0)
+            y = reduce_scatter_from_tp(F.linear(x, self.weight), self.group, 0, native)
         if self.bias is not None:
             # The bias is replicated; in REDUCE_SCATTER mode each rank only sees its sequence
             # chunk, so copy_to_tp sums the bias gradient over tp to make it the full one.
@@ -293,7 +312,8 @@ class VocabParallelEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.group, self.mode = group, _mode(mode)
+        self.group = group
+        self.set_communication(mode)
         self.tp_rank, self.tp_size = _group_coords(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_rank = _tp_divide(
@@ -311,6 +331,13 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.reset_parameters()
 
+    def set_communication(
+        self, mode: TensorParallelLinearMode | str, tensor_collectives: bool | None = None
+    ) -> None:
+        """Switch the tp mode and native reduce-scatter (see `_TPLinearBase.set_communication`)."""
+        self.mode = _mode(mode)
+        self.tensor_collectives = tensor_collectives
+
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.weight.normal_()
@@ -321,17 +348,15 @@ class VocabParallelEmbedding(nn.Module):
             self.weight.copy_(shard_tensor(weight, 0, self.tp_rank, self.tp_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (bool((ids < 0).any()) or bool((ids >= self.num_embeddings).any())):
-            raise ParallelConfigError(
-                f"token ids must lie in [0, num_embeddings={self.num_embeddings}); got "
-                f"min={int(ids.min())}, max={int(ids.max())}"
-            )
+        # Ids are not range-checked here (that would be a host sync per micro-batch): the
+        # trainer's data checks every sample where it is read. An id outside every rank's
+        # range would embed as zeros.
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.mode is TensorParallelLinearMode.ALL_REDUCE:
             return reduce_from_tp(out, self.group)
-        return reduce_scatter_from_tp(out, self.group, dim=0)
+        return reduce_scatter_from_tp(out, self.group, 0, self.tensor_collectives)
 
     def extra_repr(self) -> str:
         return (

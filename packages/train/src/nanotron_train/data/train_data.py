@@ -86,6 +86,7 @@ class TrainData:
         self.validation_split = validation_split
         # folder -> its held-out validation part (validation.split), each folder once
         self.held_out: dict[str, Nanoset] = {}
+        self.model_vocab_size = model_vocab_size
         tok_sha = None
         if tokenizer_path:
             try:
@@ -225,6 +226,16 @@ class TrainData:
         for row, (d, sample) in enumerate(picks):  # the hot loop: one slice copy per sample
             start = sample * S
             tokens[row] = arrays[d][start : start + S + 1]
+        # Token ids are checked here, once per sample on the host, not in the model (where a
+        # check is a device sync per micro-batch); the files are unsigned, so only the top.
+        too_big = tokens.max(axis=1) >= self.model_vocab_size
+        if too_big.any():
+            row = int(np.flatnonzero(too_big)[0])
+            d, sample = picks[row]
+            raise DataError(
+                f"{stage.nanosets[d].folder}: sample {sample} holds token id "
+                f"{int(tokens[row].max())}, outside the model's vocab_size {self.model_vocab_size}"
+            )
         if self.mask_across_documents:
             eos = np.asarray([stage.nanosets[d].eos_token_id for d, _ in picks])[:, None]
             mask = tokens[:, :-1] != eos

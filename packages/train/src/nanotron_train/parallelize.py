@@ -1,0 +1,87 @@
+"""`parallelize`: the one place a built model becomes this rank's parallel, trainable model.
+
+`model_factory.build_stage_chunks` builds this rank's blocks (its pipeline stage, or its v
+chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, in this order:
+
+1. Tensor parallel: the tp mode (ALL_REDUCE, or REDUCE_SCATTER = sequence parallel), the
+   overlapped linears (`tp_linear_async_communication`, validated by the layers), whether
+   reduce-scatters run natively (`pc.tensor_collectives`: NCCL, or forced in tests), and
+   `tp_recompute_allgather` (REDUCE_SCATTER: column-parallel linears keep their input shard and
+   gather it again in the backward).
+   (Context parallel, issue 17, goes here: it changes attention, before anything wraps it.)
+2. Recompute (`parallelism.recompute_layer`): each decoder layer under activation checkpointing.
+3. Compile (`model.compile`): each decoder layer compiled in place. It comes after recompute
+   in this list but sits inside it at run time: the checkpoint calls the compiled layer, so
+   the recomputation replays the compiled code.
+4. Pipeline chunks: v chunks become one `StageChunks` module (tied ends re-tied when pp = 1),
+   and the tied embedding / lm_head copies of the first and last stage get their group.
+5. Data parallel / ZeRO: gradient buffers and the reduction policy of `optimizer.zero_stage`
+   (`nanotron_parallel.zero.build_data_parallel`; ZeRO-2/3 add their classes there).
+
+Nothing is patched: every step is a method of the model or an object that holds the model's
+parameters, and parameter names stay global (`decoder.3.attn.qkv.weight`) whatever is applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanotron_models.chunks import StageChunks
+from nanotron_models.model import LlamaStage
+from nanotron_parallel.context import ParallelContext
+from nanotron_parallel.data_parallel import DataParallelGrads
+from nanotron_parallel.tied import TiedParameters, tied_parameters
+from nanotron_parallel.zero import build_data_parallel
+from nanotron_train.config import Config
+
+
+@dataclass
+class ParallelModel:
+    """What the trainer steps: the model (a LlamaStage, or StageChunks), its tied groups and
+    its data-parallel gradients."""
+
+    model: nn.Module
+    tied: TiedParameters
+    grads: DataParallelGrads
+
+    @property
+    def zero_stage(self) -> int:
+        return self.grads.zero_stage
+
+
+def parallelize(
+    model: LlamaStage | list[LlamaStage], cfg: Config, pc: ParallelContext
+) -> ParallelModel:
+    """Apply the steps of the module docstring, in order, to this rank's chunk(s)."""
+    chunks = list(model) if isinstance(model, list) else [model]
+    par = cfg.parallelism
+    for chunk in chunks:  # 1. tensor parallel
+        chunk.set_tp_mode(
+            par.tp_mode,
+            par.tp_linear_async_communication,
+            pc.tensor_collectives,
+            par.tp_recompute_allgather,
+        )
+    for chunk in chunks:  # 2. recompute
+        chunk.set_recompute(par.recompute_layer)
+    if cfg.model.compile:  # 3. compile
+        for chunk in chunks:
+            chunk.compile_layers()
+    stage: nn.Module = chunks[0] if len(chunks) == 1 else StageChunks(chunks)  # 4. pipeline
+    tied = tied_parameters(stage, pc)  # collective when pp > 1
+    opt = cfg.optimizer  # 5. data parallel / ZeRO
+    grads = build_data_parallel(
+        opt.zero_stage,
+        list(stage.parameters()),
+        pc.dp_group,
+        pc.dp_size,
+        pc.dp_rank,
+        grad_dtype=torch.float32 if opt.accumulate_grad_in_fp32 else None,
+        bucket_cap_mb=cfg.model.ddp_bucket_cap_mb,
+        full_reduce={id(p) for g in tied.groups for p in g.params},
+        tensor_collectives=pc.tensor_collectives,
+    )
+    return ParallelModel(stage, tied, grads)

@@ -1,0 +1,145 @@
+"""The training step never waits for the device: counted with the profiler on the CPU.
+
+A host sync shows up as one of the ops that copy a device scalar to the host
+(`aten::_local_scalar_dense`, `aten::item`, `aten::is_nonzero`). One unlogged training step
+must run none of them, at several layouts; a logged step reads exactly two values (the loss and
+the gradient norm). The pipeline's p2p payload messages per step equal the schedule's count,
+and after the first step (which agrees the shapes) no header is sent.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import re
+
+import torch
+
+from nanotron_parallel.testing import run_distributed, shared_default_group
+from tests.train.test_equivalence_perf import perf_config
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")
+_PAYLOADS = re.compile(r"pp\.p2p\.payloads sends=(\d+) recvs=(\d+)")
+
+
+def _events(fn) -> tuple[dict[str, int], object]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        value = fn()
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        name = e.name
+        if name in SYNC_OPS and _in_optimizer(e):
+            name += " (optimizer step counter)"
+        counts[name] = counts.get(name, 0) + 1
+    return counts, value
+
+
+def _in_optimizer(event) -> bool:
+    """torch's AdamW reads its step counters with .item(); they live on the host unless the
+    optimizer is fused or capturable (then no read at all), so these are no device syncs."""
+    while event is not None:
+        if event.name.startswith("Optimizer.step#"):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def expected_messages(layout: dict, pp_rank: int) -> tuple[int, int]:
+    """(sends, receives) of this stage in one step, from the schedule."""
+    pp, m = layout["pp"], 4 // layout["dp"]
+    if layout.get("engine") == "interleaved-1f1b":
+        from nanotron_parallel.pipeline.interleaved import plan_interleaved
+
+        plan = plan_interleaved(pp, layout["v"], m)
+        msgs = [msg for slot in plan.messages for msg in slot if msg.src != msg.dst]
+        return sum(x.src == pp_rank for x in msgs), sum(x.dst == pp_rank for x in msgs)
+    ends = (pp_rank > 0) + (pp_rank < pp - 1)  # each neighbour: m activations or m gradients
+    return ends * m, ends * m
+
+
+def count_step_syncs(layouts: list[dict]) -> list[dict]:
+    """On every rank: build each layout's Trainer, run two steps, profile the third (and its
+    record, as a logged step would make it)."""
+    import torch.distributed as dist
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    out = []
+    with shared_default_group():
+        for layout in layouts:
+            raw = perf_config(layout)
+            raw["logging"]["iteration_step_info_interval"] = 1000
+            cfg = config_from_dict(raw, "test", world_size=None)
+            pc = ParallelContext(
+                dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
+                tensor_collectives=layout.get("tensor_collectives"),
+            )  # fmt: skip
+            try:
+                trainer = Trainer(cfg, pc, stream=io.StringIO())
+                first, _ = _events(trainer.train_step)  # agrees the p2p shapes
+                trainer.train_step()
+                step, result = _events(trainer.train_step)
+                record, rec = _events(functools.partial(trainer.step_record, result, 1.0))
+                inner = trainer.state.optimizer.inner
+                on_host = all(st["step"].device.type == "cpu" for st in inner.state.values())
+                trainer.close()
+            finally:
+                dist.barrier()
+                pc.destroy()
+            payloads = [
+                tuple(map(int, m.groups()))
+                for name, n in step.items()
+                if (m := _PAYLOADS.fullmatch(name))
+                for _ in range(n)
+            ]
+            out.append({
+                "step_syncs": {op: step.get(op, 0) for op in SYNC_OPS},
+                "record_reads": record.get("aten::_local_scalar_dense", 0),
+                "sends": sum(s for s, _ in payloads),
+                "recvs": sum(r for _, r in payloads),
+                "headers": step.get("pp.p2p.headers", 0),
+                "first_headers": first.get("pp.p2p.headers", 0),
+                "pp_rank": pc.pp_rank,
+                "optimizer_counters_on_host": on_host,
+                "loss": rec["lm_loss"],
+            })  # fmt: skip
+    return out
+
+
+def check(layouts: list[dict], per_rank: list[list[dict]]) -> None:
+    for results in per_rank:
+        for layout, res in zip(layouts, results, strict=True):
+            assert res["step_syncs"] == dict.fromkeys(SYNC_OPS, 0), (layout, res)
+            assert res["optimizer_counters_on_host"], res
+            assert res["record_reads"] == 2, (layout, res)  # the loss and the grad norm
+            want = expected_messages(layout, res["pp_rank"])
+            assert (res["sends"], res["recvs"]) == want, (layout, res, want)
+            assert res["headers"] == 0, (layout, res)
+            if layout["pp"] > 1:
+                assert res["first_headers"] > 0, (layout, res)  # shapes agreed on step 1
+            assert 4.0 < res["loss"] < 7.0, res
+
+
+def test_single_process_step_has_no_host_sync():
+    layouts = [{"dp": 1, "tp": 1, "pp": 1}, {"dp": 1, "tp": 1, "pp": 1, "recompute": True}]
+    check(layouts, [count_step_syncs(layouts)])
+
+
+def test_two_rank_layouts_step_has_no_host_sync():
+    """dp=2 with ZeRO-1 on NCCL's code paths (reduce-scatter, all-gather into one tensor),
+    tp=2 sequence parallel with async linears and native reduce-scatter, pp=2 with 1F1B, and
+    interleaved 1F1B (v=2): each message count is the schedule's."""
+    layouts = [
+        {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "tensor_collectives": True},
+        {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "async": True,
+         "tensor_collectives": True},
+        {"dp": 1, "tp": 1, "pp": 2},
+        {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b", "v": 2},
+    ]  # fmt: skip
+    check(layouts, run_distributed(count_step_syncs, 2, copy.deepcopy(layouts), timeout=300))
