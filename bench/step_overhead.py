@@ -94,8 +94,9 @@ def _plain(dp: int, args) -> tuple[list[float], list[float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     steps, fb = [], []
     for step in range(1, args.warmup + args.steps + 1):
-        mbs = data.micro_batches(step)
         t = time.perf_counter()
+        mbs = data.micro_batches(step)  # counted, as the trainer's step reads its data too
+        t0_fb = time.perf_counter()
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             sync = contextlib.nullcontext() if last or dp == 1 else wrapped.no_sync()
@@ -107,7 +108,7 @@ def _plain(dp: int, args) -> tuple[list[float], list[float]]:
         opt.zero_grad(set_to_none=True)
         end = time.perf_counter()
         steps.append(end - t)
-        fb.append(t_fb - t)
+        fb.append(t_fb - t0_fb)
     dist.barrier()
     pc.destroy()
     return steps[args.warmup :], fb[args.warmup :]

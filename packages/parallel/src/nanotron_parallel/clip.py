@@ -9,7 +9,7 @@ rank gets the same norm.
 Everything stays on the device: the norm is a 0-d tensor and clipping multiplies by
 `min(1, max_norm / (norm + 1e-6))` computed there, so a step needs no host sync for either;
 the trainer reads the norm on the host only on the steps it logs. The norm reads each
-gradient once (one fused `_foreach_norm` over a few merged flat views, accumulated in fp64).
+gradient once (one `_foreach_norm` over merged flat views, their squares summed in fp64).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def global_grad_norm(
 ) -> torch.Tensor:
     """L2 norm (0-d float64 tensor on `device`) of the gradient `views` of every rank of `group`."""
     if views:
-        squares = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square().sum()
+        squares = torch.stack(torch._foreach_norm(views)).double().square().sum()
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)
     dist.all_reduce(squares, group=group)
