@@ -83,7 +83,7 @@ class ModelArgs:
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     make_vocab_size_divisible_by: int = 1
     ddp_bucket_cap_mb: int = 25
-    compile: bool = False  # torch.compile each decoder layer (see perf.py)
+    compile: bool = False  # torch.compile each decoder layer (see parallelize.py)
 
 
 @dataclass
