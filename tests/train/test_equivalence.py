@@ -119,7 +119,10 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
         out = []
         for layout in layouts:
             cfg = config_from_dict(layout_config(layout), "test", world_size=None)
-            pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+            pc = ParallelContext(
+                dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
+                tensor_collectives=layout.get("tensor_collectives"),
+            )  # fmt: skip
             try:
                 trainer = Trainer(cfg, pc, stream=io.StringIO())
                 records: list[dict] = []
@@ -170,6 +173,10 @@ def ref_key(layout: dict) -> str:
 WORLD2 = [
     {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "fp32_accum": False},
     {"dp": 2, "tp": 1, "pp": 1, "zero": 0},
+    # NCCL's code paths forced on gloo: ZeRO-1 reduce-scatter + all-gather into one tensor,
+    # sequence parallel's native reduce-scatter.
+    {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "tensor_collectives": True},
+    {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "tensor_collectives": True},
     {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "tied": False},
     {"dp": 1, "tp": 1, "pp": 2, "engine": "afab"},
 ]
