@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -21,6 +23,7 @@ from nanotron_parallel.tensor_parallel import (
     gather_from_tp,
 )
 
+from .attention import resolve_backend
 from .blocks import Batch, DecoderLayer, Embedding, LMHead, Loss, RMSNorm, linear_mode
 from .config import ATTN_BACKENDS, LlamaConfig, ModelConfigError
 from .flops import llama_block_names
@@ -74,6 +77,7 @@ class LlamaStage(nn.Module):
         if "loss" in block_names:
             self.loss = Loss(c.vocab_size, group, c.z_loss_weight)
         self.recompute = False
+        self._compiled_checkpoints: dict = {}  # compile_layers with recompute on
 
     def block(self, name: str) -> nn.Module:
         if name.startswith("decoder."):
@@ -112,16 +116,35 @@ class LlamaStage(nn.Module):
         self.recompute = enabled
 
     def compile_layers(self) -> None:
-        """`torch.compile` each decoder layer in place (nn.Module.compile: names unchanged)."""
-        for layer in self.decoder.values():
-            layer.compile(dynamic=False)
+        """`torch.compile` each decoder layer in place (nn.Module.compile: names unchanged).
+        With recompute on (call `set_recompute` first), the checkpointed call is compiled as a
+        whole, as TorchTitan does: compiling the layer inside the checkpoint can save tensors
+        in another order when the backward recomputes it."""
+        # The rotary table grows on demand (a dict write, which a compiled checkpoint cannot
+        # replay): build it for every position first, so compiled code only reads it.
+        param = next(self.parameters())
+        self.rotary.cos_sin(
+            torch.zeros(1, dtype=torch.long), param.device, param.dtype,
+            self.config.max_position_embeddings,
+        )  # fmt: skip
+        for layer in self.decoder.values():  # pick the attention kernel now (it may log)
+            layer.attn.backend = resolve_backend(layer.attn.backend, param.device)
+        if not self.recompute:
+            for layer in self.decoder.values():
+                layer.compile(dynamic=False)
+            return
+        self._compiled_checkpoints = {
+            key: torch.compile(functools.partial(_checkpointed, layer), dynamic=False)
+            for key, layer in self.decoder.items()
+        }
 
     def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:
         recompute = self.recompute and torch.is_grad_enabled()
         for name in self.block_names:
             block = self.block(name)
             if recompute and isinstance(block, DecoderLayer):
-                x = checkpoint(block, x, batch, use_reentrant=False, preserve_rng_state=True)
+                compiled = self._compiled_checkpoints.get(name.split(".", 1)[1])
+                x = compiled(x, batch) if compiled else _checkpointed(block, x, batch)
             else:
                 x = block(x, batch)
         assert x is not None
@@ -168,6 +191,11 @@ class LlamaStage(nn.Module):
         if kv_cache is not None:
             kv_cache.commit(s)
         return full.transpose(0, 1)[:, :s]
+
+
+def _checkpointed(layer: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """`layer(x, batch)` under non-reentrant activation checkpointing (RNG state restored)."""
+    return checkpoint(layer, x, batch, use_reentrant=False, preserve_rng_state=True)
 
 
 def build_llama_stage(
