@@ -10,9 +10,9 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
    gather it again in the backward).
    (Context parallel, issue 17, goes here: it changes attention, before anything wraps it.)
 2. Recompute (`parallelism.recompute_layer`): each decoder layer under activation checkpointing.
-3. Compile (`model.compile`): each decoder layer compiled in place. It comes after recompute
-   in this list but sits inside it at run time: the checkpoint calls the compiled layer, so
-   the recomputation replays the compiled code.
+3. Compile (`model.compile`): each decoder layer compiled in place, or, with recompute on, the
+   checkpointed call of each layer compiled as a whole (as TorchTitan orders them: a layer
+   compiled inside the checkpoint can save its tensors in another order when recomputed).
 4. Pipeline chunks: v chunks become one `StageChunks` module (tied ends re-tied when pp = 1),
    and the tied embedding / lm_head copies of the first and last stage get their group.
 5. Data parallel / ZeRO: gradient buffers and the reduction policy of `optimizer.zero_stage`
