@@ -169,7 +169,9 @@ def from_hf(
     has_tokenizer = (hf_dir / "tokenizer.json").is_file()
     tok_dir = out / "tokenizer"
     if config_file:
-        cfg = load_config(config_file)
+        # A checkpoint's own config records its step (general.step), which only a resume may
+        # carry; the import writes a new checkpoint at --step, so that record does not apply.
+        cfg = load_config(config_file, ["general.step=null", "general.consumed_train_samples=null"])
         _check_same_model(cfg, model_config, config_file)
     else:
         tok = str(tok_dir.resolve()) if has_tokenizer else None
