@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-import torch
+from nanotron_train.tp_command import run_over_tp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -126,27 +125,14 @@ def run(args: argparse.Namespace, pc) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    pc = None
-    try:
+
+    def work(pc) -> dict:
         if args.limit_batches < 0:
             raise ValueError(f"--limit-batches must be >= 0 (0 = all), got {args.limit_batches}")
-        from nanotron_parallel.context import ParallelContext
+        return run(args, pc)
 
-        pc = ParallelContext(dp=1, tp=world, pp=1)
-        with torch.no_grad():
-            report = run(args, pc)
-    except ValueError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if pc is not None:
-            pc.destroy()
-    if rank == 0:
+    status, report = run_over_tp(work)
+    if report is not None:
         if args.json:
             print(json.dumps(report), flush=True)
         else:
@@ -156,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"tokens: {report['tokens']} | batches: {report['batches']} (tp={report['tp']})",
                 flush=True,
             )
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
-import torch
-
 from nanotron_models.config import DTYPES
+from nanotron_train.tp_command import run_over_tp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -114,40 +112,21 @@ def print_report(report: dict, stream=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    pc = None
-    try:
-        tp = args.tp if args.tp is not None else world
+
+    def work(pc) -> dict:
         if args.pp != 1:
             raise ValueError(
                 f"--pp {args.pp}: pipelined decoding is not supported; use --pp 1 (a checkpoint "
                 "saved with any pp loads at pp=1, split over tp)"
             )
-        if tp != world:
-            raise ValueError(
-                f"--tp {tp} must equal the number of processes ({world}): launch with "
-                f"torchrun --nproc_per_node={tp}"
-            )
-        from nanotron_parallel.context import ParallelContext
+        return run(args, pc)
 
-        pc = ParallelContext(dp=1, tp=tp, pp=1)
-        with torch.no_grad():
-            report = run(args, pc)
-    except ValueError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if pc is not None:
-            pc.destroy()
-    if rank == 0:
+    status, report = run_over_tp(work, tp=args.tp)
+    if report is not None:
         print_report(report)
         if args.output_json:
             Path(args.output_json).write_text(json.dumps(report, indent=1))
-    return 0
+    return status
 
 
 if __name__ == "__main__":

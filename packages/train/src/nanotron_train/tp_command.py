@@ -1,0 +1,46 @@
+"""The launch of the checkpoint commands (generate, evaluate): one tensor-parallel group of every
+process the launch started (torchrun or a plain `python -m`), no gradients, and the project's
+rule for user errors: a ValueError is one line from rank 0 and exit status 2."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def run_over_tp(
+    work: Callable[[Any], dict[str, Any]], tp: int | None = None
+) -> tuple[int, dict[str, Any] | None]:
+    """Run `work(pc)` on a ParallelContext of dp = pp = 1 and tp = the launch's world size.
+
+    `tp`, when the user gave one, must equal that world size. Returns the exit status and, on
+    rank 0 of a successful run, `work`'s report (None elsewhere).
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pc = None
+    try:
+        if tp is not None and tp != world:
+            raise ValueError(
+                f"--tp {tp} must equal the number of processes ({world}): launch with "
+                f"torchrun --nproc_per_node={tp}"
+            )
+        from nanotron_parallel.context import ParallelContext
+
+        pc = ParallelContext(dp=1, tp=world, pp=1)
+        with torch.no_grad():
+            report = work(pc)
+    except ValueError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2, None
+    except KeyboardInterrupt:
+        return 130, None
+    finally:
+        if pc is not None:
+            pc.destroy()
+    return 0, report if rank == 0 else None
