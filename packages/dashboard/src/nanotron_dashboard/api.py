@@ -11,7 +11,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from . import queries
+from . import csv_export, queries
 from .checkpoints import scan_checkpoints
 from .db import delete_run
 from .errors import DashboardError
@@ -75,13 +75,14 @@ def runs(
     ids: str | None = Query(None, description="comma-separated run ids (at most 1000)"),
     limit: int = Query(100, ge=1, le=1000),
     cursor: str | None = Query(None, description="X-Next-Cursor of the previous page"),
+    tag: str | None = Query(None, max_length=64, description="only runs with this tag"),
 ) -> JSONResponse:
     """Newest first, one page of `limit` runs; the header X-Next-Cursor (and a Link rel=next)
     names the next page, absent on the last one."""
     id_list = [i for i in ids.split(",") if i][:1000] if ids else None
     with _conn(request) as c:
         page, nxt = queries.list_runs(
-            c, _stall(request), project, status, name, id_list, limit, cursor
+            c, _stall(request), project, status, name, id_list, limit, cursor, tag
         )
     headers = {}
     if nxt:
@@ -160,7 +161,7 @@ def metrics_csv(request: Request, run_id: str, names: str | None = None) -> Stre
 
     def body() -> Any:
         try:
-            yield from queries.csv_rows(conn, run_id, wanted)
+            yield from csv_export.csv_rows(conn, run_id, wanted)
         finally:
             conn.close()
 

@@ -11,15 +11,17 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from . import __version__, api, ingest
+from . import __version__, api, ingest, telemetry_api
+from .alerts import StallWatch, WebhookSender
 from .db import lock_database, open_database
-from .errors import MissingAssetError
+from .errors import MissingAssetError, StartupConfigError
 from .guard import BrowserGuard, HostPolicy
 from .hub import Hub
 from .launch import Launcher
 from .queries import load_series
 from .security import TokenMiddleware
 from .series import SeriesCache
+from .telemetry_store import StallCheck
 from .writer import Writer
 
 VENDOR = Path(__file__).parent / "static" / "vendor"
@@ -38,6 +40,11 @@ class Settings:
     cache_bytes: int = 256 << 20  # series cache budget
     # writer queue budget (parsed messages, ~12x their JSON); then 503 / slower acks
     queue_bytes: int = 64 << 20
+    stall_after: float = 300.0  # a running run silent this long gets one `stall` event
+    alert_webhooks: tuple[str, ...] = ()  # a JSON POST per stored event to each
+    webhook_attempts: int = 5
+    webhook_backoff_s: float = 1.0  # doubled after each failed attempt
+    webhook_timeout_s: float = 10.0
 
     @property
     def public_url(self) -> str:
@@ -55,8 +62,22 @@ def check_assets() -> None:
         )
 
 
+def stall_check_period(stall_after: float) -> float:
+    """How often to look for silent runs: a quarter of the threshold, 0.2 s to 30 s."""
+    return min(max(stall_after / 4, 0.2), 30.0)
+
+
 def create_app(settings: Settings) -> FastAPI:
     check_assets()
+    if not settings.stall_after > 0:
+        raise StartupConfigError(f"--stall-after {settings.stall_after}: must be > 0 seconds")
+    webhooks = WebhookSender(
+        settings.alert_webhooks,
+        settings.public_url,
+        attempts=settings.webhook_attempts,
+        backoff_s=settings.webhook_backoff_s,
+        timeout_s=settings.webhook_timeout_s,
+    )  # checks the URLs before anything is opened
     lock = lock_database(settings.db)  # one server per database file
     try:
         engine = open_database(settings.db)
@@ -71,9 +92,19 @@ def create_app(settings: Settings) -> FastAPI:
 
     cache = SeriesCache(loader, settings.cache_bytes)
     writer = Writer(
-        engine, cache, hub.notify, watching=hub.watching, max_bytes=settings.queue_bytes
+        engine,
+        cache,
+        hub.notify,
+        watching=hub.watching,
+        max_bytes=settings.queue_bytes,
+        on_events=webhooks.enqueue,
     )
     writer.start()
+    webhooks.start()
+    stall = StallWatch(
+        writer.submit, StallCheck(settings.stall_after), stall_check_period(settings.stall_after)
+    )
+    stall.start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,6 +112,8 @@ def create_app(settings: Settings) -> FastAPI:
 
         hub.loop = asyncio.get_running_loop()
         yield
+        stall.stop()
+        webhooks.stop()
         writer.stop()
         engine.dispose()
         lock.close()
@@ -91,11 +124,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.cache = cache
     app.state.writer = writer
     app.state.hub = hub
+    app.state.webhooks = webhooks
     app.state.csrf = secrets.token_urlsafe(32)
     app.state.launcher = Launcher(Path(str(settings.db) + ".launches"))
     app.state.lock = lock
     app.include_router(ingest.router)
     app.include_router(api.router)
+    app.include_router(telemetry_api.router)
     api.error_handlers(app)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     if settings.token:

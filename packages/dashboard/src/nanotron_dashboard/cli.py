@@ -1,4 +1,5 @@
-"""`nanotron-dashboard --db runs.db [--host 127.0.0.1] [--port 8008] [--token-file F] [--allow-launch]`
+"""`nanotron-dashboard --db runs.db [--host 127.0.0.1] [--port 8008] [--token-file F] [--allow-launch]
+[--alert-webhook URL] [--stall-after SECONDS]`
 and `nanotron-dashboard delete-run --db runs.db RUN_ID`."""
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--allow-launch", action="store_true", help="enable the Resume button")
     p.add_argument("--stall-seconds", type=float, default=120.0, help="heartbeat age => stalled")
+    p.add_argument(
+        "--stall-after",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a running run that sends nothing this long gets one `stall` event per silence",
+    )
+    p.add_argument(
+        "--alert-webhook",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="POST each stored event as JSON to this http(s) URL, retried with back-off, from "
+        "a background thread (repeatable)",
+    )
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -120,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             allow_launch=args.allow_launch,
             stall_seconds=args.stall_seconds,
             allowed_hosts=tuple(args.allowed_host),
+            stall_after=args.stall_after,
+            alert_webhooks=tuple(args.alert_webhook),
         )
         app = create_app(settings)
     except DashboardError as e:

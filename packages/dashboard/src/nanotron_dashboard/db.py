@@ -11,6 +11,7 @@ from typing import IO
 from sqlalchemy import (
     Column,
     Float,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -20,6 +21,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    func,
     inspect,
     text,
 )
@@ -139,6 +141,97 @@ checkpoints = Table(
     Column("source", String, nullable=False, default="message"),  # or "disk"
     UniqueConstraint("run_pk", "step", name="uq_checkpoint_run_step"),
 )
+
+
+# --- issue 19: telemetry. New tables, so create_all adds them to older files (no migration).
+
+# One row per (run, rank_stats step); a replay overwrites. Packed little-endian arrays, so a
+# heatmap of 200 intervals x 4,096 ranks reads 200 rows and no JSON.
+rank_stats = Table(
+    "rank_stats",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("time", Float, nullable=False),
+    Column("interval", Integer, nullable=False),
+    Column("n", Integer, nullable=False),  # entries (ranks)
+    Column("coords", LargeBinary, nullable=False),  # int64 (rank, dp, tp, pp, cp) per entry
+    Column("hosts", Text, nullable=False),  # JSON list, one per entry
+    Column("vals", LargeBinary, nullable=False),  # float64 n x len(RANK_FIELDS), NaN = null
+    sqlite_with_rowid=False,
+)
+
+# One row per recorded step; spans as compact JSON rows [stage, chunk, mb, kind, start, end].
+timelines = Table(
+    "timelines",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("time", Float, nullable=False),
+    Column("schedule", String, nullable=False),
+    Column("pp", Integer, nullable=False),
+    Column("chunks", Integer, nullable=False),
+    Column("micro_batches", Integer, nullable=False),
+    Column("bubble_measured", Float),
+    Column("bubble_formula", Float),
+    Column("n_spans", Integer, nullable=False),
+    Column("spans", Text, nullable=False),
+    sqlite_with_rowid=False,
+)
+
+# Events from the trainer and those the dashboard derives (restart, stall): source says which.
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_pk", Integer, nullable=False),
+    Column("step", Integer),
+    Column("time", Float, nullable=False),
+    Column("kind", String, nullable=False),
+    Column("severity", String, nullable=False),
+    Column("message", Text, nullable=False),
+    Column("details", Text, nullable=False, default="{}"),
+    Column("source", String, nullable=False, default="trainer"),
+)
+# a replay of (run, kind, step, message) is stored once; a NULL step counts as one value
+Index(
+    "uq_events_replay",
+    events.c.run_pk,
+    events.c.kind,
+    func.coalesce(events.c.step, -1),
+    events.c.message,
+    unique=True,
+)
+
+samples = Table(
+    "samples",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),  # stored once per (run, step)
+    Column("time", Float, nullable=False),
+    Column("max_new_tokens", Integer),
+    Column("samples", Text, nullable=False),  # JSON list of {prompt, completion}
+    sqlite_with_rowid=False,
+)
+
+# Tags and a note, edited in the page (PATCH /api/runs/{id}).
+run_labels = Table(
+    "run_labels",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("tags", Text, nullable=False, default="[]"),  # JSON list
+    Column("note", Text, nullable=False, default=""),
+)
+
+# The heartbeat at which a stall event was derived: one event per silence.
+run_stall = Table(
+    "run_stall",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("heartbeat", Float, nullable=False),
+)
+
+TELEMETRY_TABLES = ("rank_stats", "timelines", "events", "samples", "run_labels", "run_stall")
 
 
 def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
@@ -261,6 +354,7 @@ def delete_run(conn: object, run_id: str) -> int | None:
         "run_nonfinite",
         "run_attempts",
         "checkpoints",
+        *TELEMETRY_TABLES,
     ):
         conn.exec_driver_sql(f"DELETE FROM {table} WHERE run_pk=?", (pk,))  # type: ignore[attr-defined]
     conn.exec_driver_sql("DELETE FROM runs WHERE pk=?", (pk,))  # type: ignore[attr-defined]

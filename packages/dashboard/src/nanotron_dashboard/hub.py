@@ -35,18 +35,30 @@ class Hub:
     def watching(self, run_id: str) -> bool:
         return run_id in self._runs
 
-    def notify(self, points: Points, changed: set[str]) -> None:
-        """Thread-safe entry point (called from the writer thread)."""
+    def notify(
+        self, points: Points, changed: set[str], notices: dict[str, list[dict]] | None = None
+    ) -> None:
+        """Thread-safe entry point (called from the writer thread).
+
+        `notices`: per run, small dicts saying what telemetry arrived (type and step; an
+        event's id, kind and severity), never the payload: the page fetches what it shows,
+        so a subscriber's queue stays small whatever the trainer sends."""
         loop = self.loop
         if loop is None or loop.is_closed():
             return
         wanted = {r: p for r, p in points.items() if r in self._runs}
-        if not wanted and not (changed and self._list):
+        notes = {r: n for r, n in (notices or {}).items() if r in self._runs}
+        if not wanted and not notes and not (changed and self._list):
             return
         with contextlib.suppress(RuntimeError):  # loop shutting down
-            loop.call_soon_threadsafe(self._publish, wanted, set(changed))
+            loop.call_soon_threadsafe(self._publish, wanted, set(changed), notes)
 
-    def _publish(self, points: Points, changed: set[str]) -> None:
+    def _publish(
+        self, points: Points, changed: set[str], notices: dict[str, list[dict]] | None = None
+    ) -> None:
+        for run_id, notes in (notices or {}).items():
+            for note in notes:
+                self._put(self._runs.get(run_id, ()), {**note, "run_id": run_id})
         for run_id, pts in points.items():
             by_name: dict[str, list[Any]] = {}
             for name, step, value, t in pts:

@@ -22,8 +22,12 @@ RETRY_AFTER_S = 1
 MEMORY_PER_JSON_BYTE = 12
 
 
-def _cost(raw_len: int, count: int) -> int:
-    return MEMORY_PER_JSON_BYTE * raw_len // max(count, 1)
+def _cost(raw_len: int, count: int, msg: Any = None) -> int:
+    """A queued message's memory: 12x its share of the JSON, or what its type says it
+    takes when that is more (many small nested models: a compact rank_stats, 24x)."""
+    share = MEMORY_PER_JSON_BYTE * raw_len // max(count, 1)
+    own = getattr(msg, "memory_bytes", None)
+    return max(share, own()) if callable(own) else share
 
 
 def _result(fut: Future) -> dict[str, Any]:
@@ -80,7 +84,7 @@ async def ws_ingest(ws: WebSocket) -> None:
             msgs = parse_messages(raw)
             for msg in msgs:
                 try:
-                    await handle(msg, _cost(len(raw), len(msgs)))
+                    await handle(msg, _cost(len(raw), len(msgs), msg))
                 except (WebSocketDisconnect, RuntimeError):
                     raise
                 except Exception as e:
@@ -129,11 +133,11 @@ async def http_ingest(request: Request) -> JSONResponse:
             errors.append({"index": i, "status": 422, "error": str(m)})
         else:
             items.append((i, m, Future()))
-    if len(errors) == 1 and not items and "JSON" in errors[0]["error"]:  # not JSON at all
+    if len(parsed) == 1 and isinstance(parsed[0], MessageError) and parsed[0].not_json:
         return JSONResponse({"detail": errors[0]["error"]}, 400)
-    size = _cost(len(body), len(parsed))
     writer = request.app.state.writer
-    if items and not writer.try_put([(m, fut, size) for _, m, fut in items]):
+    queued = [(m, fut, _cost(len(body), len(parsed), m)) for _, m, fut in items]
+    if items and not writer.try_put(queued):
         return JSONResponse(
             {"detail": "the dashboard is busy writing; retry after the Retry-After seconds"},
             503,

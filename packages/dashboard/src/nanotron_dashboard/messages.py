@@ -11,84 +11,26 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    StringConstraints,
-    TypeAdapter,
-    field_validator,
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, field_validator
+
+from .fields import (  # noqa: F401 - re-exported: other modules import the limits from here
+    INT64_MAX,
+    MAX_CONFIG_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_MESSAGE_BYTES,
+    MAX_METRIC_NAMES,
+    Config,
+    Finite,
+    Int64,
+    MetricName,
+    Msg,
+    PathText,
+    RunId,
+    Text,
+    Topology,
+    json_depth,
 )
-
-MAX_MESSAGE_BYTES = 1 << 20  # a message over 1 MiB is refused
-INT64_MAX = 2**63 - 1  # SQLite's INTEGER; a larger number would overflow it
-MAX_JSON_DEPTH = 64  # of a config or topology; deeper ones break readers that recurse
-MAX_CONFIG_BYTES = 256 << 10
-MAX_TOPOLOGY_BYTES = 16 << 10
-MAX_METRIC_NAMES = 1000  # per run (the writer enforces it across messages)
-RUN_ID_CHARS = "A-Za-z0-9._-"
-
-
-def _run_id(v: str) -> str:
-    if v.strip(".") == "":  # "." and ".." are path segments a browser would collapse
-        raise ValueError("a run id must not consist of dots only")
-    return v
-
-
-# run ids appear in URLs, file names and the CSV download: a URL-safe charset
-RunId = Annotated[
-    str,
-    StringConstraints(min_length=1, max_length=200, pattern=rf"^[{RUN_ID_CHARS}]+$"),
-    AfterValidator(_run_id),
-]
-Int64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
-# time axes: NaN/inf would poison every x=time or x=tokens view of the run
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-Text = Annotated[str, StringConstraints(max_length=200, pattern=r"^[^\x00]*$")]
-PathText = Annotated[str, StringConstraints(max_length=4096, pattern=r"^[^\x00]*$")]
-# no control characters, and no comma: `names=` lists metric names comma-separated
-MetricName = Annotated[
-    str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f,]+$")
-]
-
-
-def json_depth(value: Any) -> int:
-    """Nesting depth of decoded JSON, without recursion (a hostile depth cannot overflow it)."""
-    depth, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            v = list(v.values())
-        if isinstance(v, list):
-            depth = max(depth, d)
-            if d > MAX_JSON_DEPTH:
-                return d
-            stack.extend((x, d + 1) for x in v)
-    return depth
-
-
-def _bounded_json(max_bytes: int) -> AfterValidator:
-    def check(v: dict[str, Any]) -> dict[str, Any]:
-        if json_depth(v) > MAX_JSON_DEPTH:
-            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-        size = len(json.dumps(v, default=str))
-        if size > max_bytes:
-            raise ValueError(f"{size} bytes as JSON, over the {max_bytes}-byte limit")
-        return v
-
-    return AfterValidator(check)
-
-
-Config = Annotated[dict[str, Any], _bounded_json(MAX_CONFIG_BYTES)]
-Topology = Annotated[dict[str, Any], _bounded_json(MAX_TOPOLOGY_BYTES)]
-
-
-class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    run_id: RunId
-    # when set, the server replies {"ok": true, "type": "ack", "ack": N} once it is committed
-    ack: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
+from .telemetry_messages import Event, PipelineTimeline, RankStats, Samples
 
 
 class ResumedFrom(BaseModel):
@@ -97,7 +39,7 @@ class ResumedFrom(BaseModel):
     path: PathText | None = None
 
 
-class RunStart(_Msg):
+class RunStart(Msg):
     type: Literal["run_start"]
     project: Text = ""
     name: Text = ""
@@ -114,7 +56,7 @@ class RunStart(_Msg):
     time: Finite | None = None
 
 
-class Metrics(_Msg):
+class Metrics(Msg):
     type: Literal["metrics"]
     step: Int64
     # NaN/inf values are real training events: stored and shown
@@ -132,7 +74,7 @@ class Metrics(_Msg):
         return v
 
 
-class Checkpoint(_Msg):
+class Checkpoint(Msg):
     type: Literal["checkpoint"]
     step: Int64
     path: Annotated[PathText, Field(min_length=1)]
@@ -145,12 +87,12 @@ class Checkpoint(_Msg):
     model_config = ConfigDict(extra="ignore")  # the trainer may add fields of its metadata
 
 
-class Heartbeat(_Msg):
+class Heartbeat(Msg):
     type: Literal["heartbeat"]
     time: Finite | None = None
 
 
-class RunEnd(_Msg):
+class RunEnd(Msg):
     type: Literal["run_end"]
     status: Literal["finished", "failed", "preempted"]
     error: Annotated[str, StringConstraints(max_length=100_000)] | None = None
@@ -160,13 +102,26 @@ class RunEnd(_Msg):
 # A new message type: a model above with bounded fields, added to this union and handled in
 # writer.Writer._apply.
 Message = Annotated[
-    RunStart | Metrics | Checkpoint | Heartbeat | RunEnd, Field(discriminator="type")
+    RunStart
+    | Metrics
+    | Checkpoint
+    | Heartbeat
+    | RunEnd
+    | RankStats
+    | PipelineTimeline
+    | Event
+    | Samples,
+    Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Any] = TypeAdapter(Message)
 
 
 class MessageError(ValueError):
     """An ingest message that is too large, not JSON, or fails validation."""
+
+    def __init__(self, text: str, not_json: bool = False) -> None:
+        super().__init__(text)
+        self.not_json = not_json  # the body is not JSON at all (HTTP: 400, not 422)
 
 
 def parse_json(raw: str | bytes) -> Any:
@@ -177,12 +132,24 @@ def parse_json(raw: str | bytes) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise MessageError(f"not valid JSON: {e}") from None
+        raise MessageError(f"not valid JSON: {e}", not_json=True) from None
     except RecursionError:
-        raise MessageError(f"not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise MessageError(
+            f"not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels", not_json=True
+        ) from None
 
 
-AnyMessage = RunStart | Metrics | Checkpoint | Heartbeat | RunEnd
+AnyMessage = (
+    RunStart
+    | Metrics
+    | Checkpoint
+    | Heartbeat
+    | RunEnd
+    | RankStats
+    | PipelineTimeline
+    | Event
+    | Samples
+)
 
 
 def _one_line(e: Exception) -> str:
@@ -224,7 +191,9 @@ def parse_messages(raw: str | bytes) -> list[AnyMessage | MessageError]:
         try:
             return [_stamp(_adapter.validate_json(raw))]
         except Exception as e:
-            return [MessageError(_one_line(e))]
+            errors = getattr(e, "errors", None)
+            bad_json = callable(errors) and any(x["type"] == "json_invalid" for x in errors())
+            return [MessageError(_one_line(e), not_json=bad_json)]
     try:
         items = parse_json(raw)
     except MessageError as e:

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import shlex
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from . import blocks
+from . import blocks, telemetry_queries
 from .checkpoints import resume_command
 from .errors import DashboardError
 from .messages import json_float
@@ -84,6 +81,7 @@ def list_runs(
     ids: list[str] | None = None,
     limit: int | None = None,
     cursor: str | None = None,
+    tag: str | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Newest first; with `limit`, one page and the cursor of the next one (None at the end)."""
     now = time.time()
@@ -96,6 +94,9 @@ def list_runs(
         params["name"] = (
             "%" + name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         )
+    if tag:
+        where.append(telemetry_queries.TAG_FILTER)
+        params["tag"] = tag
     if ids is not None:
         where.append("id IN (SELECT value FROM json_each(:ids))")
         params["ids"] = json.dumps(ids)
@@ -147,6 +148,13 @@ def list_runs(
         ):
             flags[pk] = (step, mname)
     out = [_summary(r, last[r.pk], flags.get(r.pk), stall_s, now) for r in rows]
+    if rows:
+        pk_list = [r.pk for r in rows]
+        badges = telemetry_queries.event_badges(conn, pk_list)
+        labels = telemetry_queries.labels(conn, pk_list)
+        for r, summary in zip(rows, out):
+            summary["events"] = badges.get(r.pk, {})  # kind -> {count, worst severity}
+            summary["tags"] = labels.get(r.pk, ([], ""))[0]
     return out, next_cursor
 
 
@@ -162,6 +170,7 @@ def run_row(conn: Connection, run_id: str) -> Any:
 def get_run(conn: Connection, run_id: str, stall_s: float) -> dict[str, Any]:
     row = run_row(conn, run_id)
     summary = list_runs(conn, stall_s, ids=[run_id])[0][0]
+    note = telemetry_queries.labels(conn, [row.pk]).get(row.pk, ([], ""))[1]
     names = [
         r[0]
         for r in conn.execute(
@@ -191,6 +200,7 @@ def get_run(conn: Connection, run_id: str, stall_s: float) -> dict[str, Any]:
         "checkpoints_path": row.checkpoints_path,
         "metric_names": names,
         "resumed_runs": children,
+        "note": note,
     }
 
 
@@ -349,49 +359,3 @@ def metric_series(
             ],
         }
     return out
-
-
-def csv_cell(value: str) -> str:
-    """A text cell a spreadsheet will not run: `=`, `+`, `-`, `@` (and tab/CR) get a `'`."""
-    return "'" + value if value[:1] in ("=", "+", "-", "@", "\t", "\r") else value
-
-
-def csv_rows(conn: Connection, run_id: str, names: list[str] | None) -> Iterator[str]:
-    """Full-fidelity wide CSV: one row per step, one column per metric; repr() of floats.
-
-    Written by the csv module (a name with a comma or a quote stays one column); metric
-    names are text from the trainer, so they are defused against formula injection.
-    """
-    row = run_row(conn, run_id)
-    all_names = [
-        r[0]
-        for r in conn.execute(
-            text("SELECT name FROM latest WHERE run_pk=:pk ORDER BY name"), {"pk": row.pk}
-        )
-    ]
-    cols = [n for n in all_names if not names or n in names]
-    buf = io.StringIO()
-    out = csv.writer(buf, lineterminator="\n")
-
-    def line(cells: list[str]) -> str:
-        buf.seek(0)
-        buf.truncate()
-        out.writerow(cells)
-        return buf.getvalue()
-
-    yield line(["step", *(csv_cell(c) for c in cols)])
-    col_of = {n: i for i, n in enumerate(cols)}
-    cur_step, cur = None, [""] * len(cols)
-    res = conn.exec_driver_sql(
-        "SELECT step, name, value FROM metrics WHERE run_pk=? ORDER BY step", (row.pk,)
-    )
-    for step, name, value in res:
-        if name not in col_of:
-            continue
-        if step != cur_step:
-            if cur_step is not None:
-                yield line([str(cur_step), *cur])
-            cur_step, cur = step, [""] * len(cols)
-        cur[col_of[name]] = "nan" if value is None else repr(float(value))
-    if cur_step is not None:
-        yield line([str(cur_step), *cur])

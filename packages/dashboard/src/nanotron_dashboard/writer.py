@@ -24,18 +24,23 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
-from . import store
+from . import store, telemetry_store
 from .blocks import Sealer
 from .messages import MAX_METRIC_NAMES, Checkpoint, Heartbeat, Metrics, RunEnd, RunStart
 from .series import SeriesCache
 from .store import DISK_FULL_LOG_EVERY_S, is_disk_full, refusal
+from .telemetry_messages import TELEMETRY, Event, PipelineTimeline, RankStats, Samples
+from .telemetry_store import EventDict, Side, StallCheck
 
 log = logging.getLogger("nanotron_dashboard")
 
 Job = Callable[[Connection], Any]  # an arbitrary write, run inside the writer's transaction
 Item = tuple[Any, Future | None, int]  # (message or job, its result, its size in bytes)
-# (run_id, points [(name, step, value, time)], summary_changed)
-Notify = Callable[[dict[str, list[tuple[str, int, float, float]]], set[str]], None]
+# (run_id -> points [(name, step, value, time)], runs whose summary changed,
+#  run_id -> notices of telemetry stored for it)
+Notify = Callable[
+    [dict[str, list[tuple[str, int, float, float]]], set[str], dict[str, list[dict]]], None
+]
 
 
 class Writer:
@@ -47,10 +52,12 @@ class Writer:
         watching: Callable[[str], bool] = lambda run_id: False,
         max_batch: int = 5000,
         max_bytes: int = 64 << 20,
+        on_events: Callable[[list[EventDict]], None] | None = None,
     ) -> None:
         self._engine = engine
         self._cache = cache
         self._notify = notify
+        self._on_events = on_events  # the webhook sender's enqueue: never blocks
         self._watching = watching  # whether a browser follows this run (it wants its points)
         self._max_batch = max_batch
         self.queue: queue.Queue[Item | None] = queue.Queue()
@@ -134,7 +141,7 @@ class Writer:
 
     def _write_batch(self, conn: Connection, batch: list[Item]) -> None:
         try:
-            results, rows, changed = self._apply(conn, [m for m, _, _ in batch])
+            results, rows, changed, side = self._apply(conn, [m for m, _, _ in batch])
         except Exception as e:  # one bad item must not lose the batch: retry one by one
             self._forget(conn)
             if is_disk_full(e):
@@ -144,7 +151,7 @@ class Writer:
                 self._write_one(conn, item)
             return
         self.disk_full = False  # space came back: writes go on by themselves
-        self._after_commit(rows, changed)
+        self._after_commit(rows, changed, side)
         for (_, fut, _), res in zip(batch, results):
             if fut is not None:
                 fut.set_result(res)
@@ -152,7 +159,7 @@ class Writer:
     def _write_one(self, conn: Connection, item: Item) -> None:
         msg, fut, _ = item
         try:
-            results, rows, changed = self._apply(conn, [msg])
+            results, rows, changed, side = self._apply(conn, [msg])
         except Exception as e:
             self._forget(conn)
             if is_disk_full(e):
@@ -162,7 +169,7 @@ class Writer:
             if fut is not None:
                 fut.set_exception(e)
             return
-        self._after_commit(rows, changed)
+        self._after_commit(rows, changed, side)
         if fut is not None:
             fut.set_result(results[0])
 
@@ -181,8 +188,14 @@ class Writer:
             if fut is not None:
                 fut.set_result(res)
 
-    def _after_commit(self, rows: list[tuple], changed: set[str]) -> None:
-        """Hand the committed points to the cache and the hub, for the runs they watch."""
+    def _after_commit(self, rows: list[tuple], changed: set[str], side: Side) -> None:
+        """Hand the committed points to the cache and the hub, for the runs they watch, and
+        new events to the webhook sender."""
+        if side.events and self._on_events is not None:
+            try:
+                self._on_events(side.events)
+            except Exception:
+                log.exception("dashboard writer: handing events to the webhook sender failed")
         run_of = {pk: rid for rid, pk in self._pks.items()}
         watched = self._cache.run_pks() | {pk for pk, rid in run_of.items() if self._watching(rid)}
         by_key: dict[tuple[int, str], tuple[list, list, list]] = {}
@@ -202,12 +215,15 @@ class Writer:
         self._cache.on_commit(by_key)
         if self._notify is not None:
             try:
-                self._notify(points, changed)
+                self._notify(points, changed, side.notices)
             except Exception:
                 log.exception("dashboard writer: live-update notification failed")
 
-    def _apply(self, conn: Connection, msgs: list[Any]) -> tuple[list[Any], dict, set[str]]:
+    def _apply(
+        self, conn: Connection, msgs: list[Any]
+    ) -> tuple[list[Any], list[tuple], set[str], Side]:
         now = time.time()
+        side = Side()
         results: list[Any] = []
         rows: list[tuple] = []
         max_step: dict[str, int] = {}
@@ -226,8 +242,14 @@ class Writer:
                     max_step[msg.run_id] = max(max_step.get(msg.run_id, -1), msg.step)
                     touched.add(msg.run_id)
                     results.append({"ok": True})
+                elif isinstance(msg, TELEMETRY):
+                    self._telemetry(conn, msg, now, side)
+                    touched.add(msg.run_id)  # a sign of life like a heartbeat
+                    if isinstance(msg, Event):
+                        changed.add(msg.run_id)  # the run list's event badges
+                    results.append({"ok": True})
                 elif isinstance(msg, RunStart):
-                    res = self._run_start(conn, msg, now)
+                    res = self._run_start(conn, msg, now, side)
                     results.append(res)
                     if res["ok"]:
                         changed.add(msg.run_id)
@@ -249,6 +271,11 @@ class Writer:
                         {"s": msg.status, "e": msg.error, "t": msg.time, "now": now, "pk": pk},
                     )
                     changed.add(msg.run_id)
+                    results.append({"ok": True})
+                elif isinstance(msg, StallCheck):
+                    for ev in msg(conn, now):
+                        side.event(ev)
+                        changed.add(ev["run_id"])
                     results.append({"ok": True})
                 elif callable(msg):
                     results.append(msg(conn))
@@ -277,7 +304,21 @@ class Writer:
                     {"now": now, "st": max_step.get(run_id, -1), "pk": self._pks[run_id]},
                 )
         changed |= set(max_step)
-        return results, rows, changed
+        return results, rows, changed, side
+
+    def _telemetry(self, conn: Connection, msg: Any, now: float, side: Side) -> None:
+        pk = self._pk(conn, msg.run_id, now)
+        if isinstance(msg, Event):
+            side.event(telemetry_store.store_trainer_event(conn, pk, msg))
+            return
+        if isinstance(msg, RankStats):
+            telemetry_store.store_rank_stats(conn, pk, msg)
+        elif isinstance(msg, PipelineTimeline):
+            telemetry_store.store_timeline(conn, pk, msg)
+        elif isinstance(msg, Samples) and not telemetry_store.store_samples(conn, pk, msg):
+            return  # a replay: nothing new to show
+        notice = {"type": msg.type, "run_id": msg.run_id, "step": msg.step}
+        side.notices.setdefault(msg.run_id, []).append(notice)
 
     def _pk(self, conn: Connection, run_id: str, now: float) -> int:
         pk = self._pks.get(run_id)
@@ -316,21 +357,28 @@ class Writer:
         names.update(new)
         return None
 
-    def _run_start(self, conn: Connection, m: RunStart, now: float) -> dict[str, Any]:
+    def _run_start(self, conn: Connection, m: RunStart, now: float, side: Side) -> dict[str, Any]:
+        existed = conn.execute(text("SELECT 1 FROM runs WHERE id=:id"), {"id": m.run_id}).first()
         refused = store.upsert_run(conn, m, now)
         if refused is not None:
             return refused
         pk = self._pk(conn, m.run_id, now)
+        row = conn.execute(text("SELECT step FROM runs WHERE pk=:pk"), {"pk": pk}).first()
+        last = row[0] if row and row[0] is not None else None
         if m.attempt:  # a replayed run_start repeats its launch's token: counted once
-            conn.execute(
+            new = conn.execute(
                 text(
                     "INSERT INTO run_attempts(run_pk, attempt, started) VALUES (:pk, :a, :t) "
                     "ON CONFLICT DO NOTHING"
                 ),
                 {"pk": pk, "a": m.attempt, "t": m.time or now},
-            )
-        row = conn.execute(text("SELECT step FROM runs WHERE pk=:pk"), {"pk": pk}).first()
-        last = row[0] if row and row[0] is not None else None
+            ).rowcount
+            if new and existed is not None:  # a new launch of a run we know: a restart
+                side.event(
+                    telemetry_store.restart_event(
+                        conn, pk, m.run_id, m.attempt, last, m.time or now
+                    )
+                )
         return {"ok": True, "type": "run_start", "run_id": m.run_id, "last_step": last}
 
     def _checkpoint(self, conn: Connection, m: Checkpoint, now: float) -> None:

@@ -1,0 +1,188 @@
+"""Telemetry messages (issue 19): per-rank times, the pipeline timeline, events and samples.
+
+Each is bounded like the other ingest messages (see fields.py); docs/internals.md and the
+contract in README describe what the trainer sends.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from .fields import (
+    MAX_DETAILS_BYTES,
+    MAX_RANKS,
+    MAX_SAMPLES,
+    MAX_SPANS,
+    Finite,
+    Int64,
+    Msg,
+    Text,
+    bounded_json,
+)
+
+# durations and rates: finite and >= 0
+NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Coord = Annotated[int, Field(ge=0, le=1 << 24)]  # a rank or a parallel coordinate
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+NoNul = r"^[^\x00]*$"
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RankEntry(_Part):
+    rank: Coord
+    host: Text | None = None
+    dp: Coord
+    tp: Coord
+    pp: Coord
+    cp: Coord = 0
+    step_ms: NonNeg
+    compute_ms: NonNeg | None = None
+    tp_comm_ms: NonNeg | None = None
+    pp_wait_ms: NonNeg | None = None
+    dp_wait_ms: NonNeg | None = None
+    optimizer_ms: NonNeg | None = None
+    data_ms: NonNeg | None = None
+    mem_bytes: Int64 | None = None
+    mem_reserved_bytes: Int64 | None = None
+    gpu_util_pct: NonNeg | None = None
+    gpu_power_w: NonNeg | None = None
+    cpu_util_pct: NonNeg | None = None
+
+
+# the numeric fields of a RankEntry, in the order the database packs them
+RANK_FIELDS = (
+    "step_ms",
+    "compute_ms",
+    "tp_comm_ms",
+    "pp_wait_ms",
+    "dp_wait_ms",
+    "optimizer_ms",
+    "data_ms",
+    "mem_bytes",
+    "mem_reserved_bytes",
+    "gpu_util_pct",
+    "gpu_power_w",
+    "cpu_util_pct",
+)
+# Parsed memory per entry or span (pydantic models, measured with tracemalloc): a rank
+# entry can be ~56 bytes of JSON (24x), so the 12x-the-JSON estimate would undercount it.
+RANK_ENTRY_MEMORY = 1600
+SPAN_MEMORY = 1200
+
+
+class RankStats(Msg):
+    type: Literal["rank_stats"]
+    step: Int64
+    time: Finite | None = None
+    interval: Annotated[int, Field(ge=1, le=1 << 31)] = 1
+    ranks: list[RankEntry] = Field(min_length=1, max_length=MAX_RANKS)
+
+    @field_validator("ranks")
+    @classmethod
+    def _unique(cls, v: list[RankEntry]) -> list[RankEntry]:
+        if len({r.rank for r in v}) != len(v):
+            raise ValueError("each rank must appear once")
+        return v
+
+    def memory_bytes(self) -> int:
+        return len(self.ranks) * RANK_ENTRY_MEMORY
+
+
+class Span(_Part):
+    stage: Coord
+    chunk: Coord = 0
+    micro_batch: Coord
+    kind: Literal["forward", "backward"]
+    start_ms: NonNeg
+    end_ms: NonNeg
+
+
+class PipelineTimeline(Msg):
+    type: Literal["pipeline_timeline"]
+    step: Int64
+    time: Finite | None = None
+    schedule: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NoNul)]
+    pp: Annotated[int, Field(ge=1, le=1 << 16)]
+    chunks: Annotated[int, Field(ge=1, le=1 << 16)] = 1
+    micro_batches: Annotated[int, Field(ge=1, le=1 << 24)]
+    bubble_measured: Fraction | None = None
+    bubble_formula: Fraction | None = None
+    spans: list[Span] = Field(min_length=1, max_length=MAX_SPANS)
+
+    @model_validator(mode="after")
+    def _inside(self) -> PipelineTimeline:
+        for i, s in enumerate(self.spans):
+            if s.end_ms < s.start_ms:
+                raise ValueError(f"spans[{i}]: end_ms {s.end_ms} is before start_ms {s.start_ms}")
+            if s.stage >= self.pp or s.chunk >= self.chunks or s.micro_batch >= self.micro_batches:
+                raise ValueError(
+                    f"spans[{i}]: stage {s.stage}, chunk {s.chunk}, micro_batch "
+                    f"{s.micro_batch} outside pp={self.pp}, chunks={self.chunks}, "
+                    f"micro_batches={self.micro_batches}"
+                )
+        return self
+
+    def memory_bytes(self) -> int:
+        return len(self.spans) * SPAN_MEMORY
+
+
+EVENT_KINDS = (
+    "nonfinite_loss",
+    "loss_spike",
+    "grad_norm_spike",
+    "throughput_drop",
+    "stall",
+    "straggler",
+    "restart",
+    "preemption",
+)
+EventKind = Literal[
+    "nonfinite_loss",
+    "loss_spike",
+    "grad_norm_spike",
+    "throughput_drop",
+    "stall",
+    "straggler",
+    "restart",
+    "preemption",
+]
+Severity = Literal["info", "warning", "critical"]
+Details = Annotated[dict[str, Any], bounded_json(MAX_DETAILS_BYTES)]
+
+
+class Event(Msg):
+    type: Literal["event"]
+    step: Int64 | None = None
+    time: Finite | None = None
+    kind: EventKind
+    severity: Severity = "warning"
+    message: Annotated[str, StringConstraints(min_length=1, max_length=2000, pattern=NoNul)]
+    details: Details = Field(default_factory=dict)
+
+
+class Sample(_Part):
+    prompt: Annotated[str, StringConstraints(max_length=4000, pattern=NoNul)]
+    completion: Annotated[str, StringConstraints(max_length=16_000, pattern=NoNul)]
+
+
+class Samples(Msg):
+    type: Literal["samples"]
+    step: Int64
+    time: Finite | None = None
+    max_new_tokens: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
+    samples: list[Sample] = Field(min_length=1, max_length=MAX_SAMPLES)
+
+
+TELEMETRY = (RankStats, PipelineTimeline, Event, Samples)

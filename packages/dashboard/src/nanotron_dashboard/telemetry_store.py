@@ -1,0 +1,225 @@
+"""The SQL each telemetry message becomes, and the events the dashboard derives itself.
+
+Run inside the writer's transaction. Each function that may store an event returns the
+event as the API shows it (or None when it was a replay), so that the writer can hand newly
+stored events to the webhook sender and the live feed after the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import numpy as np
+from sqlalchemy.engine import Connection
+
+from .telemetry_messages import RANK_FIELDS, Event, PipelineTimeline, RankStats, Samples
+
+EventDict = dict[str, Any]
+
+
+def _nan(v: float | int | None) -> float:
+    return math.nan if v is None else float(v)
+
+
+class Side:
+    """What a transaction produced besides metric rows, handed on after its commit."""
+
+    def __init__(self) -> None:
+        self.notices: dict[str, list[dict[str, Any]]] = {}  # for the live feed
+        self.events: list[EventDict] = []  # newly stored events: webhook and live feed
+
+    def event(self, ev: EventDict | None) -> None:
+        if ev is None:  # a replay
+            return
+        self.events.append(ev)
+        notice = {k: ev[k] for k in ("id", "kind", "severity", "step")}
+        self.notices.setdefault(ev["run_id"], []).append({"type": "event", **notice})
+
+
+def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> None:
+    coords = np.array([(r.rank, r.dp, r.tp, r.pp, r.cp) for r in m.ranks], dtype="<i8")
+    vals = np.array([[_nan(getattr(r, f)) for f in RANK_FIELDS] for r in m.ranks], dtype="<f8")
+    conn.exec_driver_sql(
+        "INSERT INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
+        "time=excluded.time, interval=excluded.interval, n=excluded.n, "
+        "coords=excluded.coords, hosts=excluded.hosts, vals=excluded.vals",
+        (
+            pk,
+            m.step,
+            m.time,
+            m.interval,
+            len(m.ranks),
+            coords.tobytes(),
+            json.dumps([r.host for r in m.ranks]),
+            vals.tobytes(),
+        ),
+    )
+
+
+def store_timeline(conn: Connection, pk: int, m: PipelineTimeline) -> None:
+    spans = [
+        [s.stage, s.chunk, s.micro_batch, 0 if s.kind == "forward" else 1, s.start_ms, s.end_ms]
+        for s in m.spans
+    ]
+    conn.exec_driver_sql(
+        "INSERT OR REPLACE INTO timelines(run_pk, step, time, schedule, pp, chunks, "
+        "micro_batches, bubble_measured, bubble_formula, n_spans, spans) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            pk,
+            m.step,
+            m.time,
+            m.schedule,
+            m.pp,
+            m.chunks,
+            m.micro_batches,
+            m.bubble_measured,
+            m.bubble_formula,
+            len(spans),
+            json.dumps(spans, separators=(",", ":")),
+        ),
+    )
+
+
+def store_samples(conn: Connection, pk: int, m: Samples) -> bool:
+    """True when stored; a replay of the same (run, step) is ignored."""
+    cur = conn.exec_driver_sql(
+        "INSERT INTO samples(run_pk, step, time, max_new_tokens, samples) VALUES (?, ?, ?, ?, ?) "
+        "ON CONFLICT(run_pk, step) DO NOTHING",
+        (
+            pk,
+            m.step,
+            m.time,
+            m.max_new_tokens,
+            json.dumps([s.model_dump() for s in m.samples]),
+        ),
+    )
+    return cur.rowcount == 1
+
+
+def store_event(
+    conn: Connection,
+    pk: int,
+    run_id: str,
+    *,
+    kind: str,
+    severity: str,
+    message: str,
+    step: int | None,
+    time_s: float,
+    details: dict[str, Any],
+    source: str,
+) -> EventDict | None:
+    """Store one event; None when the same (run, kind, step, message) is already stored."""
+    row = conn.exec_driver_sql(
+        "INSERT OR IGNORE INTO events(run_pk, step, time, kind, severity, message, details, "
+        "source) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        (pk, step, time_s, kind, severity, message, json.dumps(details, default=str), source),
+    ).first()
+    if row is None:
+        return None
+    return {
+        "id": int(row[0]),
+        "run_id": run_id,
+        "step": step,
+        "time": time_s,
+        "kind": kind,
+        "severity": severity,
+        "message": message,
+        "details": details,
+        "source": source,
+    }
+
+
+def store_trainer_event(conn: Connection, pk: int, m: Event) -> EventDict | None:
+    return store_event(
+        conn,
+        pk,
+        m.run_id,
+        kind=m.kind,
+        severity=m.severity,
+        message=m.message,
+        step=m.step,
+        time_s=m.time if m.time is not None else time.time(),
+        details=m.details,
+        source="trainer",
+    )
+
+
+def restart_event(
+    conn: Connection, pk: int, run_id: str, attempt: str, step: int | None, t: float
+) -> EventDict | None:
+    """A run_start with a new `attempt` for a run that already existed: a restart."""
+    n = conn.exec_driver_sql("SELECT COUNT(*) FROM run_attempts WHERE run_pk=?", (pk,)).scalar()
+    where = "from the start" if step is None else f"after step {step}"
+    return store_event(
+        conn,
+        pk,
+        run_id,
+        kind="restart",
+        severity="warning",
+        message=f"run restarted (launch {n}) {where}",
+        step=step,
+        time_s=t,
+        details={"attempt": attempt, "launches": n, "last_step": step},
+        source="dashboard",
+    )
+
+
+class StallCheck:
+    """A writer job: a `stall` event for each running run silent for `after_s` seconds.
+
+    Once per silence: run_stall keeps the heartbeat each event was derived from, so the
+    same silence is not reported again, and a new message followed by a new silence is.
+    """
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+
+    def __call__(self, conn: Connection, now: float) -> list[EventDict]:
+        rows = conn.exec_driver_sql(
+            "SELECT r.pk, r.id, r.step, r.heartbeat FROM runs r WHERE r.status='running' "
+            "AND r.heartbeat IS NOT NULL AND r.heartbeat < ? AND NOT EXISTS (SELECT 1 FROM "
+            "run_stall s WHERE s.run_pk=r.pk AND s.heartbeat=r.heartbeat)",
+            (now - self.after_s,),
+        ).fetchall()
+        out = []
+        for pk, run_id, step, heartbeat in rows:
+            conn.exec_driver_sql(
+                "INSERT OR REPLACE INTO run_stall(run_pk, heartbeat) VALUES (?, ?)",
+                (pk, heartbeat),
+            )
+            last = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(heartbeat))
+            at = "" if step is None else f", step {step}"
+            ev = store_event(
+                conn,
+                pk,
+                run_id,
+                kind="stall",
+                severity="critical",
+                message=f"no message from the trainer for {self.after_s:g} s (last at {last}{at})",
+                step=step,
+                time_s=now,
+                details={"silent_since": heartbeat, "stall_after_s": self.after_s},
+                source="dashboard",
+            )
+            if ev is not None:
+                out.append(ev)
+        return out
+
+
+def set_labels(conn: Connection, pk: int, tags: list[str] | None, note: str | None) -> dict:
+    """Replace the tags and/or the note (None leaves that one as it is)."""
+    row = conn.exec_driver_sql("SELECT tags, note FROM run_labels WHERE run_pk=?", (pk,)).first()
+    cur_tags, cur_note = (json.loads(row[0]), row[1]) if row else ([], "")
+    new_tags = cur_tags if tags is None else tags
+    new_note = cur_note if note is None else note
+    conn.exec_driver_sql(
+        "INSERT OR REPLACE INTO run_labels(run_pk, tags, note) VALUES (?, ?, ?)",
+        (pk, json.dumps(new_tags), new_note),
+    )
+    return {"tags": new_tags, "note": new_note}
