@@ -168,6 +168,7 @@ ENTRY = BASE["ranks"][0]
         (td.event("bad", "stall", 1, message=""), "message"),
         (td.event("bad", "stall", 1, details={"x": "y" * 17000}), "over the 16384-byte limit"),
         (td.event("bad", "stall", 1, details={"d": json.loads("[" * 70 + "]" * 70)}), "deeper"),
+        (td.event("bad", "stall", 1, details={"ratio": float("nan")}), "NaN or infinite"),
         (td.samples("bad", 1, [("p", "c")] * 65), "samples"),
         (td.samples("bad", 1, [("p" * 4001, "c")]), "samples.0.prompt"),
         (td.samples("bad", 1, [("p", "c" * 16001)]), "samples.0.completion"),

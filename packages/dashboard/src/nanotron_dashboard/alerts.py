@@ -129,8 +129,14 @@ class WebhookSender:
 
     def enqueue(self, events: list[dict[str, Any]]) -> None:
         """Called by the writer thread after a commit: never blocks."""
+        if not self._targets:
+            return
         for ev in events:
-            body = payload(ev, self.public_url)
+            try:
+                body = payload(ev, self.public_url)
+            except (TypeError, ValueError) as e:  # validation keeps details JSON-clean
+                log.error("alert webhook: event %s not sent: %s", ev.get("id"), e)
+                continue
             for t in self._targets:
                 t.offer(body)
 

@@ -6,9 +6,11 @@ contract in README describe what the trainer sends.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -159,7 +161,19 @@ EventKind = Literal[
     "preemption",
 ]
 Severity = Literal["info", "warning", "critical"]
-Details = Annotated[dict[str, Any], bounded_json(MAX_DETAILS_BYTES)]
+
+
+def _finite_json(v: dict[str, Any]) -> dict[str, Any]:
+    """No NaN/inf inside details: JSON has no such numbers, and the API and the webhook
+    send details on as strict JSON."""
+    try:
+        json.dumps(v, allow_nan=False)
+    except ValueError:
+        raise ValueError("holds a NaN or infinite number (send it as a string)") from None
+    return v
+
+
+Details = Annotated[dict[str, Any], bounded_json(MAX_DETAILS_BYTES), AfterValidator(_finite_json)]
 
 
 class Event(Msg):

@@ -77,6 +77,7 @@
       const box = entry ? entry.box : makeBox(name);
       const plot = new uPlot({
         width: Math.max(box.clientWidth - 16, 300), height: 240,
+        plugins: [NTT.markersPlugin((step) => xOfStep(name, step))],
         scales: { x: { time: false }, y: { distr: o.log ? 3 : 1 } },
         axes: [{ label: o.x, values: (u, vals) => vals.map(si) }, { values: (u, vals) => vals.map(si), size: 60 }],
         // Overlaid series are sparse by design (a val_loss every N steps): points shown.
@@ -91,10 +92,21 @@
       : "";
   }
 
+  // An event's step on this chart's x axis: the x of the first point at or after it.
+  function xOfStep(name, step) {
+    if (opt().x === "step") return step;
+    const s = (state.data[runId] || {})[name];
+    if (!s) return null;
+    const i = s.step.findIndex((v) => v >= step);
+    return i < 0 ? null : s.x[i];
+  }
+
   function makeBox(name) {
     const box = NT.el("div", { class: "chart", "data-metric": name }, NT.el("h3", {}, name),
       NT.el("div", { class: "plot" }), NT.el("div", { class: "nonfinite" }));
-    $("charts").append(box);
+    const system = name.startsWith("system/");  // CPU/GPU utilisation, memory, power
+    $(system ? "system-charts" : "charts").append(box);
+    if (system) $("system-section").hidden = false;
     return box;
   }
 
@@ -120,7 +132,8 @@
   // The metric picker: every name of the run, the first DEFAULT_CHARTS ticked.
   function buildPicker(names) {
     const all = byDefaultOrder(names.filter((n) => n !== "consumed_tokens"));
-    if (!state.shown.length) state.shown = all.slice(0, DEFAULT_CHARTS);
+    const isSystem = (n) => n.startsWith("system/");
+    if (!state.shown.length) state.shown = [...all.filter((n) => !isSystem(n)).slice(0, DEFAULT_CHARTS), ...all.filter(isSystem)];
     const boxes = all.map((n) => {
       const cb = NT.el("input", { type: "checkbox", value: n });
       cb.checked = state.shown.includes(n);
@@ -128,6 +141,7 @@
         state.shown = all.filter((m) => $("picker").querySelector('input[value="' + CSS.escape(m) + '"]').checked);
         for (const [name, entry] of Object.entries(state.charts)) {
           if (!state.shown.includes(name)) { entry.plot.destroy(); entry.box.remove(); delete state.charts[name]; }
+          $("system-section").hidden = !$("system-charts").children.length;
         }
         reload();
       });
@@ -147,6 +161,7 @@
   // Live points: appended to the current run's series (EMA continued exactly as the server's).
   function onPoints(msg) {
     if (msg.type === "run_changed") { loadRun(); return; }
+    if (NTT.onLive[msg.type]) { NTT.onLive[msg.type](); return; }
     if (msg.type !== "points") return;
     const o = opt();
     const series = state.data[runId] || (state.data[runId] = {});
@@ -199,6 +214,7 @@
       ? NT.el("a", { href: "/runs/" + encodeURIComponent(run.resumed_from.run_id), id: "parent-link" },
         "resumed from " + run.resumed_from.run_id + " @ " + run.resumed_from.step) : "");
     $("run-error").textContent = run.error || "";
+    NTT.showLabels(run);
     $("run-children").replaceChildren(...run.resumed_runs.map((c) =>
       NT.el("a", { href: "/runs/" + encodeURIComponent(c), class: "child-run" }, "resumed as " + c + " ")));
     $("config").textContent = JSON.stringify(run.config, null, 2);
@@ -270,9 +286,12 @@
 
   (async () => {
     state.session = await NT.session();
+    NTT.init({ runId, state, api: (path) => NT.json("/api/runs/" + encodeURIComponent(runId) + path),
+      onEvents: () => Object.values(state.charts).forEach((e) => e.plot.redraw()) });
     $("delete").addEventListener("click", deleteRun);
     try { await loadRun(); } catch (e) { $("error").textContent = String(e.message || e); return; }
     await reload();
+    NTT.loadAll().catch((e) => { $("error").textContent = String(e.message || e); });
     loadCompareChoices();
     NT.live("/ws/runs/" + encodeURIComponent(runId), onPoints, scheduleReload);
   })();

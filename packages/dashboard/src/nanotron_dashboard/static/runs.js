@@ -4,7 +4,7 @@
 (() => {
   const tbody = document.querySelector("#runs tbody");
   const more = document.getElementById("more");
-  const filters = ["project", "name", "status"].map((k) => document.getElementById("f-" + k));
+  const filters = ["project", "name", "status", "tag"].map((k) => document.getElementById("f-" + k));
   const PAGE = 100;
   let stallSeconds = 120;
   let cursor = null;
@@ -35,12 +35,19 @@
       : "";
     const status = NT.el("span", {}, NT.badge(statusNow(entry)));
     if (r.nonfinite) status.append(" ", NT.nanBadge(r.nonfinite));
-    const cells = [status, r.project, link, r.step ?? "",
-      NT.num(r.last.lm_loss), NT.num(r.last.tokens_per_sec, 1), NT.age(age(entry)), parent];
+    const name = NT.el("span", {}, link, ...(r.tags || []).map((t) =>  // a tag filters the list
+      NT.el("span", { class: "tag", "data-tag": t, onclick: () => { filters[3].value = t; refilter(); } }, t)));
+    const badges = NT.el("span", { class: "events" }, ...Object.entries(r.events || {}).map(([kind, e]) =>
+      NT.el("span", { class: "badge ev " + e.severity, "data-kind": kind, title: e.count + " " + kind + " event(s), worst: " + e.severity },
+        kind + " " + e.count)));
+    const cells = [status, r.project, name, r.step ?? "",
+      NT.num(r.last.lm_loss), NT.num(r.last.tokens_per_sec, 1), NT.age(age(entry)), parent, badges];
     const tr = NT.el("tr", { "data-run-id": r.id });
     cells.forEach((c, i) => tr.append(NT.el("td", { class: [3, 4, 5].includes(i) ? "num" : "" }, c)));
     return tr;
   }
+
+  const refilter = NT.throttle(() => page(true), 300);
 
   function order(a, b) { return (b.run.started || 0) - (a.run.started || 0); }
 
@@ -83,7 +90,6 @@
     flush();
   }
 
-  const refilter = NT.throttle(() => page(true), 300);
   filters.forEach((f) => f.addEventListener("input", refilter));
   more.addEventListener("click", () => page(false));
   setInterval(render, 5000);  // ages and the stalled status move without any message
