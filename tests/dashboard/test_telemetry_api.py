@@ -73,6 +73,14 @@ def test_rank_stats_served_as_a_heatmap_grid(c):
         [50.0, 51.0, 52.0, 53.0, None, None],
         [50.0 + r for r in range(6)],
     ]
+    # a large world arrives as several messages per step (disjoint ranks): merged
+    whole = td.rank_stats("rs", 310, n=6, slow=5)
+    post(c, {**whole, "ranks": whole["ranks"][3:]})
+    post(c, {**whole, "ranks": whole["ranks"][:3]})
+    post(c, {**whole, "ranks": [{**whole["ranks"][4], "compute_ms": 1.5}]})  # one rank again
+    h = c.get("/api/runs/rs/rank_stats?from_step=310&fields=compute_ms").json()
+    assert [r["host"] for r in h["ranks"]] == ["node-a"] * 3 + ["node-b"] * 3
+    assert h["values"]["compute_ms"] == [[100.31, 101.31, 102.31, 103.31, 1.5, 105.31 * 2]]
     r = c.get("/api/runs/rs/rank_stats?fields=bogus")
     assert r.status_code == 400 and "bogus" in r.json()["detail"]
     assert c.get("/api/runs/nope/rank_stats").status_code == 404

@@ -40,21 +40,36 @@ class Side:
 
 
 def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> None:
+    """Merge the message's ranks into the step's row: a large world arrives as several
+    messages per step (disjoint ranks), and a replay overwrites its own ranks only."""
     coords = np.array([(r.rank, r.dp, r.tp, r.pp, r.cp) for r in m.ranks], dtype="<i8")
     vals = np.array([[_nan(getattr(r, f)) for f in RANK_FIELDS] for r in m.ranks], dtype="<f8")
+    hosts = [r.host for r in m.ranks]
+    old = conn.exec_driver_sql(
+        "SELECT n, coords, hosts, vals FROM rank_stats WHERE run_pk=? AND step=?", (pk, m.step)
+    ).first()
+    if old is not None:
+        n = old[0]
+        old_coords = np.frombuffer(old[1], dtype="<i8").reshape(n, 5)
+        old_vals = np.frombuffer(old[3], dtype="<f8").reshape(n, len(RANK_FIELDS))
+        keep = ~np.isin(old_coords[:, 0], coords[:, 0])
+        old_hosts = json.loads(old[2])
+        coords = np.concatenate([old_coords[keep], coords])
+        vals = np.concatenate([old_vals[keep], vals])
+        hosts = [h for h, k in zip(old_hosts, keep.tolist()) if k] + hosts
+        order = np.argsort(coords[:, 0], kind="stable")
+        coords, vals, hosts = coords[order], vals[order], [hosts[i] for i in order.tolist()]
     conn.exec_driver_sql(
-        "INSERT INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
-        "time=excluded.time, interval=excluded.interval, n=excluded.n, "
-        "coords=excluded.coords, hosts=excluded.hosts, vals=excluded.vals",
+        "INSERT OR REPLACE INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (
             pk,
             m.step,
             m.time,
             m.interval,
-            len(m.ranks),
+            len(coords),
             coords.tobytes(),
-            json.dumps([r.host for r in m.ranks]),
+            json.dumps(hosts),
             vals.tobytes(),
         ),
     )
