@@ -14,6 +14,7 @@ import telemetry_data as td
 from dashboard_helpers import JSON_HEADERS, LOCAL
 from fastapi.testclient import TestClient
 
+from nanotron_dashboard.alerts import QUEUE_EVENTS, WebhookSender
 from nanotron_dashboard.app import Settings, create_app
 from nanotron_dashboard.cli import main
 
@@ -185,6 +186,7 @@ def test_a_hanging_receiver_does_not_block_ingest(tmp_path, receiver):
         (["--alert-webhook", "ftp://example.com/x"], "must be an http:// or https:// URL"),
         (["--alert-webhook", "http:///nohost"], "must be an http:// or https:// URL"),
         (["--alert-webhook", "http://h:99999/"], "not a URL"),
+        (["--alert-webhook", "https://u:pw@h.example/x"], "user:password@ in the URL is not"),
         (["--stall-after", "0"], "--stall-after 0.0: must be > 0 seconds"),
     ],
 )
@@ -193,3 +195,22 @@ def test_bad_alert_options_are_one_line_and_exit_2(tmp_path, capsys, args, why):
     err = capsys.readouterr().err
     assert why in err and err.count("\n") == 1, err
     assert not (tmp_path / "x.db").exists()  # refused before the database is made
+
+
+def test_the_queue_per_url_is_bounded_and_overflow_is_logged(caplog):
+    """A receiver that never keeps up costs at most QUEUE_EVENTS events of memory."""
+    caplog.set_level(logging.WARNING, logger="nanotron_dashboard")
+    sender = WebhookSender(["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"])  # not started
+    ev = {"id": 1, "run_id": "r", "kind": "stall", "message": "m", "details": {}}
+    sender.enqueue([ev] * (QUEUE_EVENTS + 5))
+    assert [t.q.qsize() for t in sender._targets] == [QUEUE_EVENTS] * 2
+    assert [t.dropped for t in sender._targets] == [5, 5]
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        lines
+        == [
+            f"alert webhook http://127.0.0.1:9: {QUEUE_EVENTS} alerts queued (the receiver is slow "
+            "or down); dropped 1 so far"
+        ]
+        * 2
+    )  # one line a minute per URL, not one per event

@@ -43,6 +43,11 @@ def check_webhook_url(url: str) -> str:
         raise StartupConfigError(
             f"--alert-webhook {url[:200]!r}: must be an http:// or https:// URL with a host"
         )
+    if parts.username is not None or parts.password is not None:
+        raise StartupConfigError(
+            f"--alert-webhook {shown(url)}: user:password@ in the URL is not supported "
+            "(receivers take their secret in the path or query)"
+        )
     if any(c.isspace() or not c.isprintable() for c in url):
         raise StartupConfigError(f"--alert-webhook {url[:200]!r}: has whitespace or controls")
     return url
