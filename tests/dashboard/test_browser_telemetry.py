@@ -77,8 +77,20 @@ def screenshot(page, path):
 
 def test_run_page_draws_the_parallel_views(browser, seeded, shots):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    dialogs = []
+    dialogs, errors = [], []
     page.on("dialog", lambda dlg: (dialogs.append(dlg.message), dlg.dismiss()))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    # script errors and CSP refusals; a failed request by its URL (the browser's own
+    # /favicon.ico request, which this server does not serve, is no page's)
+    page.on(
+        "console",
+        lambda m: (
+            errors.append(m.text)
+            if m.type == "error" and not m.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
+    page.on("response", lambda r: errors.append(r.url) if r.status >= 400 else None)
     page.goto(seeded.url + f"/runs/{RUN}")
 
     # heatmap, coloured by compute: the straggler's row is hot, a normal rank's is cool
@@ -168,6 +180,7 @@ def test_run_page_draws_the_parallel_views(browser, seeded, shots):
     seeded.post("/api/ingest", td.event(RUN, "loss_spike", 90, message="spike"))
     page.wait_for_function("() => window.__nt.charts.lm_loss.plot.markers.length === 3")
     assert page.locator("#events tbody tr").count() == 3
+    assert errors == []  # no script error, no CSP violation
     page.close()
 
 
@@ -202,6 +215,11 @@ def test_tags_round_trip_and_run_list_badges(browser, seeded, shots):
     assert red == "rgb(224, 30, 90)"  # critical stands out
     assert row.locator(".tag").all_inner_texts() == ["baseline", "exp:1"]
     page.locator('tr[data-run-id="other"]').wait_for()
+    # live: an event stored now shows its badge without a reload
+    seeded.post("/api/ingest", td.event(RUN, "throughput_drop", 95, message="slower"))
+    live = row.locator('.badge[data-kind="throughput_drop"]')
+    live.wait_for()
+    assert live.inner_text() == "throughput_drop 1"
     screenshot(page, shots / "run_list_badges.png")
     row.locator('.tag[data-tag="exp:1"]').click()  # a tag filters the list
     page.wait_for_function("() => !document.querySelector('tr[data-run-id=\"other\"]')")
