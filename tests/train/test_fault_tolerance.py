@@ -22,6 +22,7 @@ from tests.train.fault_helpers import (
     wait_step,
     write_config,
 )
+from tests.train.telemetry_helpers import FakeIngest
 
 STEPS = 24
 
@@ -98,7 +99,8 @@ def test_sigstop_of_one_worker_fails_every_rank_naming_it(tmp_path):
         parallelism={"collective_timeout_s": timeout},
         fault_tolerance={"stack_dump_dir": str(dumps)},
     )
-    run = Torchrun(cfg)
+    ingest = FakeIngest()  # the dashboard gets the watchdog's finding as a `stall` event
+    run = Torchrun(cfg, env={"NANOTRON_DASHBOARD_URL": ingest.url})
     try:
         workers = run.wait_workers()
         wait_step(tmp_path / "hang.jsonl", 3, run)
@@ -112,8 +114,14 @@ def test_sigstop_of_one_worker_fails_every_rank_naming_it(tmp_path):
         assert run.wait() != 0
     finally:
         run.kill_all()
+        ingest.close()
     out = run.output()
     assert elapsed < timeout + 30, (elapsed, out[-3000:])
+    (stall,) = ingest.events("stall")
+    assert stall["severity"] == "critical" and "collective timeout at step" in stall["message"]
+    assert stall["details"]["rank"] == 1 and stall["details"]["ranks"] == [1]
+    assert stall["details"]["phase"] in ("tp", "optimizer", "loss dp all-reduce")
+    assert stall["step"] == stall["details"]["step"] >= 3
     lines = [line for line in out.splitlines() if "collective timeout at step" in line]
     assert lines, out[-4000:]
     line = lines[0]

@@ -180,6 +180,14 @@ class LoggingArgs:
     dashboard_url: str | None = None
     tensorboard_dir: str | None = None
     wandb_project: str | None = None
+    # Telemetry of a parallel run (telemetry/, issue 19; checked in telemetry_config.py).
+    rank_stats_interval: int = 10  # per-rank step-time split and memory; 0 = off
+    straggler_margin: float = 0.2  # non-waiting time above the median by this fraction ...
+    straggler_intervals: int = 3  # ... for this many consecutive intervals: a straggler
+    pipeline_timeline_interval: int = 0  # one step's forward/backward spans; 0 = off
+    throughput_drop_fraction: float = 0.5  # tokens/s below this share of its median: event
+    sample_prompts: list[str] = field(default_factory=list)  # greedy samples at checkpoints
+    sample_max_new_tokens: int = 32
 
 
 @dataclass

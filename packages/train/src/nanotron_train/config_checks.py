@@ -19,6 +19,7 @@ from nanotron_train.config_loader import ConfigError
 from nanotron_train.data.stages import HF_ONLY, NANOSET_ONLY, DatasetSpec
 from nanotron_train.fault_config import validate_fault
 from nanotron_train.perf_config import validate_perf
+from nanotron_train.telemetry_config import validate_telemetry
 from nanotron_train.validation_config import validate_validation
 
 if TYPE_CHECKING:
@@ -389,6 +390,7 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
     validate_perf(cfg, source)
     validate_fault(cfg, source)
     validate_validation(cfg, source)
+    validate_telemetry(cfg, source)
     return cfg
 
 

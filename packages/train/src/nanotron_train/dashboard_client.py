@@ -26,6 +26,7 @@ log = logging.getLogger("nanotron_train.dashboard")
 
 _CONTROL = "control"
 _METRICS = "metrics"
+_TELEMETRY = "telemetry"  # rank_stats, pipeline_timeline: the oldest dropped past a bound
 
 
 def ingest_url(url: str) -> str:
@@ -77,6 +78,9 @@ class DashboardClient:
         self.heartbeat_s = heartbeat_s
         self._items: deque[tuple[str, dict[str, Any]]] = deque()
         self._n_metrics = 0  # metrics items in _items; controls are never dropped
+        self._n_telemetry = 0
+        self.telemetry_queue = 256  # while the dashboard is away: bounded memory
+        self.dropped_telemetry = 0
         self._cv = threading.Condition()
         self._overflow = False  # metrics were dropped: replay from the file before going on
         self._history: deque[dict[str, Any]] | None = (
@@ -145,6 +149,49 @@ class DashboardClient:
     def checkpoint(self, info: dict) -> None:
         self._control({"type": "checkpoint", "run_id": self.run_id, **info})
 
+    def event(
+        self,
+        kind: str,
+        severity: str,
+        message: str,
+        step: int | None,
+        details: dict | None = None,
+    ) -> None:
+        """An `event` (straggler, loss spike, ...): kept until sent, like checkpoints."""
+        self._control(
+            {
+                "type": "event",
+                "run_id": self.run_id,
+                "step": step,
+                "time": time.time(),
+                "kind": kind,
+                "severity": severity,
+                "message": message[:2000],
+                "details": details or {},
+            }
+        )
+
+    def samples(self, msg: dict) -> None:
+        """A `samples` message (type and run_id are added); kept until sent."""
+        self._control({"type": "samples", "run_id": self.run_id, **msg})
+
+    def telemetry(self, msg: dict) -> None:
+        """A `rank_stats` or `pipeline_timeline` message (with its `type`; run_id added).
+        Past `telemetry_queue` waiting ones (the dashboard is away) the oldest is dropped:
+        a heatmap with a gap is better than a trainer whose memory grows."""
+        item = (_TELEMETRY, {**msg, "run_id": self.run_id})
+        with self._cv:
+            if self._n_telemetry >= self.telemetry_queue:
+                for i, (kind, _) in enumerate(self._items):
+                    if kind == _TELEMETRY:
+                        del self._items[i]
+                        self._n_telemetry -= 1
+                        self.dropped_telemetry += 1
+                        break
+            self._items.append(item)
+            self._n_telemetry += 1
+            self._cv.notify()
+
     def run_end(self, status: str, error: str | None = None) -> None:
         self._control({"type": "run_end", "run_id": self.run_id, "status": status, "error": error})
 
@@ -194,6 +241,8 @@ class DashboardClient:
                             self._items.popleft()
                             if item[0] == _METRICS:
                                 self._n_metrics -= 1
+                            elif item[0] == _TELEMETRY:
+                                self._n_telemetry -= 1
                     last_send = time.monotonic()
                 elif time.monotonic() - last_send >= self.heartbeat_s and self._start_msg:
                     self._send({"type": "heartbeat", "run_id": self.run_id, "time": time.time()})

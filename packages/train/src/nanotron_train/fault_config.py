@@ -24,13 +24,16 @@ class FaultToleranceArgs:
     nonfinite_policy: `stop` (exit naming the step and the first parameter with a non-finite
     gradient), `skip` (no optimizer step; counted and logged) or `rollback` (reload the last
     checkpoint and skip the data of the steps since). loss_spike_window: past losses the robust
-    z-score uses (0 = off); loss_spike_zscore: the threshold. stack_dump_dir: where a hung
+    z-score uses (0 = off); loss_spike_zscore: the threshold; grad_norm_spike_window and
+    grad_norm_spike_zscore: the same for the gradient norm. stack_dump_dir: where a hung
     rank writes all its threads' stacks (one file per rank).
     """
 
     nonfinite_policy: Literal["stop", "skip", "rollback"] = "stop"
     loss_spike_window: int = 100
     loss_spike_zscore: float = 6.0
+    grad_norm_spike_window: int = 100
+    grad_norm_spike_zscore: float = 6.0
     stack_dump_dir: str = "stack_dumps"
 
 
@@ -53,6 +56,18 @@ def validate_fault(cfg: Config, source: str) -> None:
         ft.loss_spike_zscore > 0,
         "fault_tolerance.loss_spike_zscore",
         f"must be > 0, got {ft.loss_spike_zscore}",
+        source,
+    )
+    _check(
+        ft.grad_norm_spike_window == 0 or ft.grad_norm_spike_window >= 8,
+        "fault_tolerance.grad_norm_spike_window",
+        f"must be 0 (off) or >= 8, got {ft.grad_norm_spike_window}",
+        source,
+    )
+    _check(
+        ft.grad_norm_spike_zscore > 0,
+        "fault_tolerance.grad_norm_spike_zscore",
+        f"must be > 0, got {ft.grad_norm_spike_zscore}",
         source,
     )
     _check(bool(ft.stack_dump_dir), "fault_tolerance.stack_dump_dir", "must be a path", source)

@@ -264,6 +264,25 @@ class MetricsLogger:
         if self._dashboard is not None:
             self._dashboard.checkpoint(checkpoint_message(info))
 
+    def event(self, kind: str, severity: str, message: str, step: int | None, details=None):
+        """An event for the dashboard (telemetry/events.py prints its log line)."""
+        if self._dashboard is not None:
+            self._dashboard.event(kind, severity, message, step, details)
+
+    def telemetry(self, msg: dict[str, Any]) -> None:
+        """A rank_stats or pipeline_timeline message for the dashboard."""
+        if self._dashboard is not None:
+            self._dashboard.telemetry(msg)
+
+    def samples(self, msg: dict[str, Any]) -> None:
+        if self._dashboard is not None:
+            self._dashboard.samples(msg)
+
+    def flush_dashboard(self, timeout: float) -> None:
+        """Send what is queued now (a process about to exit without `close`: a hang)."""
+        if self._dashboard is not None:
+            self._dashboard.close(timeout)
+
     def fail(self, exc: BaseException) -> None:
         """Mark the run failed: close() then reports run_end("failed", error)."""
         # the traceback's tail: the dashboard shows it on the run page

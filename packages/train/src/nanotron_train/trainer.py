@@ -58,6 +58,8 @@ from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
 from nanotron_train.parallelize import parallelize
 from nanotron_train.profiling import StepProfiler
 from nanotron_train.sanity import SanityCheckError, check_dp_replicas
+from nanotron_train.telemetry.samples import SampleMaker
+from nanotron_train.telemetry.session import Telemetry
 
 BACKEND_TIMEOUT_MARGIN_S = 30.0
 
@@ -159,6 +161,10 @@ class Trainer:
             )
             # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
             self.state.extra["run_id"] = self.logger.run_id
+        # Per-rank stats, stragglers, pipeline timeline, events (telemetry/); rank 0 sends.
+        self.telemetry = Telemetry(cfg, pc, lambda: self.logger)
+        self.fault.watchdog.on_hang = self.telemetry.on_hang
+        self.samples = SampleMaker.build(cfg, pc, model)  # None without logging.sample_prompts
 
     def train_step(self) -> StepOutput:
         """One optimizer step. Nothing in it waits for the device, except on a step that will be
@@ -167,23 +173,33 @@ class Trainer:
         `rollback` non-finite policies (they decide before the optimizer step), and with the
         opt-in sanity checks. Under `stop`, a non-finite unlogged step is caught at the next
         logged one."""
-        s, cfg, pc = self.state, self.cfg, self.pc
+        with self.telemetry.measure_step():  # phase timers (telemetry/session.py)
+            return self._train_step()
+
+    def _train_step(self) -> StepOutput:
+        s, cfg, pc, tm = self.state, self.cfg, self.pc, self.telemetry
         step = s.step + 1
         self.profiler.begin_step()
-        micro_batches = s.data.micro_batches(step + s.data_step_offset)
-        micro_batches = [{k: v.to(pc.device) for k, v in mb.items()} for mb in micro_batches]
+        with tm.span("data", host=True):
+            micro_batches = s.data.micro_batches(step + s.data_step_offset)
+            micro_batches = [{k: v.to(pc.device) for k, v in mb.items()} for mb in micro_batches]
         self.grads.zero_grad()
-        result = run_pipeline_step(
-            cfg.parallelism.pp_engine,
-            s.model,
-            micro_batches,
-            pc,
-            on_last_backward=self.grads.arm,
-            track_activations=self.profiler.enabled,
-        )
-        self.grads.finish()  # gradients are now the dp mean (ZeRO-1 reduce-scatter: own chunks)
-        self.tied.sync_gradients()  # sum each tied copy's gradient over first and last stage
-        norm = global_grad_norm(self.norm_views, None, pc.device)
+        recorder = tm.timeline_recorder(step)  # the pipeline timeline's step, else a no-op
+        with tm.span("pipeline"):
+            result = run_pipeline_step(
+                cfg.parallelism.pp_engine,
+                s.model,
+                micro_batches,
+                pc,
+                on_last_backward=self.grads.arm,
+                track_activations=self.profiler.enabled,
+                recorder=recorder,
+            )
+        with tm.span("dp_wait"):
+            self.grads.finish()  # gradients are the dp mean (ZeRO-1 reduce-scatter: own chunks)
+            self.tied.sync_gradients()  # sum each tied copy's gradient over first & last stage
+        with tm.span("optimizer"):
+            norm = global_grad_norm(self.norm_views, None, pc.device)
         z_loss = self._take_z_loss(len(micro_batches))
         lr = s.lr_schedule(step)
         action, host_values = "ok", None
@@ -194,10 +210,11 @@ class Trainer:
             if action == "stop":
                 raise nonfinite_stop(step, *host_values, self.named_params, pc)
         if action == "ok":
-            if cfg.optimizer.clip_grad is not None:
-                clip_grads(self.clip_views, norm, cfg.optimizer.clip_grad)
-            s.optimizer.step(lr)
-            self.grads.gather_params()  # ZeRO: every rank gets the parameters others stepped
+            with tm.span("optimizer"):
+                if cfg.optimizer.clip_grad is not None:
+                    clip_grads(self.clip_views, norm, cfg.optimizer.clip_grad)
+                s.optimizer.step(lr)
+                self.grads.gather_params()  # ZeRO: every rank gets the others' parameters
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
             check_dp_replicas(self.named_params, pc.dp_group, pc.dp_size, step)
             if not self.tied.copies_equal():
@@ -285,28 +302,34 @@ class Trainer:
                     last = self.step_record(out, seconds)
                     if evaluate:
                         last.update(self.evaluator.evaluate().metrics())
-                    if self.logger is not None and logged:
-                        self.logger.log(last)
+                    if self.logger is not None and logged:  # + events and system/* metrics
+                        self.logger.log(self.telemetry.on_record(last))
                     if on_record is not None:
                         on_record(last)
                     if csv_path and logged:
                         bench_records.append(last)
                     since, steps_since = time.perf_counter(), 0  # time steps, not logging
+                self.telemetry.after_step(out.step)  # rank stats, timeline: collective
                 if out.action == "rollback":
                     self.fault.rolled_back(self.state.step, self.checkpoints.rollback(), self.pc)
                     continue
                 stop = self.fault.preemption.stop_now(self.state.step)
+                before = self.checkpoints.last_saved
                 saved = self.checkpoints.after_step(force=stop)
                 self._saved(saved)
+                if self.samples is not None and self.checkpoints.last_saved != before:
+                    self.samples.make(self.state.step, self.logger)  # a save began: samples
                 if stop:
                     self._saved(self.checkpoints.wait())
                     if self.logger is not None:
+                        self.telemetry.preempted(self.state.step, self.fault.preemption.signal_name)
                         self.logger.end_status = "preempted"
                     break
                 if saved:
                     since, steps_since = time.perf_counter(), 0
             self._saved(self.checkpoints.wait())
         except BaseException as exc:  # the dashboard shows the run as failed, with the error
+            self.telemetry.on_failure(exc)  # a non-finite stop is also an event
             if self.logger is not None:
                 self.logger.fail(exc)
             raise

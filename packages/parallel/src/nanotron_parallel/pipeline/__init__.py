@@ -15,6 +15,7 @@ from nanotron_parallel.pipeline.partition import (
     pinned_ends,
     stage_block_names,
 )
+from nanotron_parallel.pipeline.recorder import NO_RECORDER, TimelineRecorder
 from nanotron_parallel.pipeline.schedules import (
     ENGINES,
     PipelineScheduleError,
@@ -30,6 +31,7 @@ from nanotron_parallel.pipeline.schedules import (
 
 __all__ = [
     "ENGINES",
+    "NO_RECORDER",
     "P2PError",
     "PipelineConfigError",
     "PipelineScheduleError",
@@ -37,6 +39,7 @@ __all__ = [
     "PipelineStepResult",
     "StageComm",
     "TensorMeta",
+    "TimelineRecorder",
     "exchange",
     "forward_only",
     "loss_on_all_pp_ranks",

@@ -29,6 +29,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from nanotron_parallel.pipeline.p2p import agreed_shapes, exchange_many
+from nanotron_parallel.pipeline.recorder import NO_RECORDER
 from nanotron_parallel.pipeline.step import (
     ActivationTracker,
     MicroBatch,
@@ -169,6 +170,7 @@ class _ChunkRun:
     pp: int
     tracker: ActivationTracker
     on_last_backward: Callable[[], None] | None
+    recorder: object = NO_RECORDER  # TimelineRecorder on the recorded step
     inputs: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     received: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
@@ -181,7 +183,10 @@ class _ChunkRun:
     def forward(self, mb: int, chunk: int) -> torch.Tensor:
         x = self.received.pop((FWD, mb, chunk), None)
         vs = chunk * self.pp + self.rank
-        with record_function(f"pp.forward stage={vs} mb={mb}"):
+        with (
+            record_function(f"pp.forward stage={vs} mb={mb}"),
+            self.recorder.span("forward", mb, chunk),
+        ):
             y = self.tracker.forward(self.chunks[chunk], x, self.micro_batches[mb], (mb, chunk))
         if self.is_last_virtual(chunk):
             self.loss_sum = accumulate_loss(self.loss_sum, y)
@@ -195,7 +200,10 @@ class _ChunkRun:
         self.n_backward += 1
         if self.n_backward == len(self.micro_batches) * len(self.chunks) and self.on_last_backward:
             self.on_last_backward()
-        with record_function(f"pp.backward stage={chunk * self.pp + self.rank} mb={mb}"):
+        with (
+            record_function(f"pp.backward stage={chunk * self.pp + self.rank} mb={mb}"),
+            self.recorder.span("backward", mb, chunk),
+        ):
             torch.autograd.backward(y, grad_tensors=grad_y)
         self.tracker.backward_done((mb, chunk))
         if x is None or not x.requires_grad:
@@ -210,6 +218,7 @@ def train_step_interleaved_1f1b(
     *,
     on_last_backward: Callable[[], None] | None = None,
     track_activations: bool = False,
+    recorder=NO_RECORDER,
 ) -> PipelineStepResult:
     """One training step with the interleaved 1F1B schedule. `model.chunks` lists this rank's
     v chunks (chunk c = virtual stage c * pp + pp_rank), each called as `chunk(x, batch)`."""
@@ -218,7 +227,7 @@ def train_step_interleaved_1f1b(
     plan = plan_interleaved(pp, len(chunks), len(micro_batches))
     keys = shape_keys(micro_batches)  # p2p shapes are agreed once per key (see p2p.py)
     tracker = ActivationTracker(nn.ModuleList(chunks), track_activations)
-    run = _ChunkRun(chunks, micro_batches, rank, pp, tracker, on_last_backward)
+    run = _ChunkRun(chunks, micro_batches, rank, pp, tracker, on_last_backward, recorder)
     for slot, sent in zip(plan.slots, plan.messages):
         out: dict[str, torch.Tensor | None] = {}
         action = slot[rank]

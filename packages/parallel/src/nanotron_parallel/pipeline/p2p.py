@@ -35,6 +35,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from nanotron_parallel.context import collective_device
+from nanotron_parallel.phase_timer import comm_span
 
 if TYPE_CHECKING:
     from nanotron_parallel.context import ParallelContext
@@ -123,8 +124,9 @@ _AGREED_ATTR = "_nanotron_p2p_agreed"
 
 def _run_batch(ops: list[dist.P2POp]) -> None:
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        with comm_span("pp_wait"):  # telemetry: the stage's time waiting on its neighbours
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
 
 def exchange_many(

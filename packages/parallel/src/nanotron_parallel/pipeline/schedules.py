@@ -23,6 +23,7 @@ from nanotron_parallel.pipeline.interleaved import (
     train_step_interleaved_1f1b,
 )
 from nanotron_parallel.pipeline.p2p import StageComm, agreed_shapes
+from nanotron_parallel.pipeline.recorder import NO_RECORDER, TimelineRecorder
 from nanotron_parallel.pipeline.step import (
     ActivationTracker,
     MicroBatch,
@@ -60,13 +61,17 @@ class _StageRun:
     on_last_backward: Callable[[], None] | None
     tracker: ActivationTracker
     keys: list[Hashable]  # per micro-batch: the p2p key of its messages
+    recorder: TimelineRecorder | object = NO_RECORDER  # the timeline of a recorded step
     inputs: dict[int, torch.Tensor | None] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None  # summed on the device: no host sync per micro-batch
     n_backward: int = 0
 
     def forward(self, i: int, x: torch.Tensor | None) -> torch.Tensor:
-        with record_function(f"pp.forward stage={self.comm.stage} mb={i}"):
+        with (
+            record_function(f"pp.forward stage={self.comm.stage} mb={i}"),
+            self.recorder.span("forward", i, 0),
+        ):
             y = self.tracker.forward(self.stage, x, self.micro_batches[i], i)
         if self.is_last:
             self.loss_sum = accumulate_loss(self.loss_sum, y)
@@ -79,7 +84,10 @@ class _StageRun:
         self.n_backward += 1
         if self.n_backward == len(self.micro_batches) and self.on_last_backward is not None:
             self.on_last_backward()
-        with record_function(f"pp.backward stage={self.comm.stage} mb={i}"):
+        with (
+            record_function(f"pp.backward stage={self.comm.stage} mb={i}"),
+            self.recorder.span("backward", i, 0),
+        ):
             torch.autograd.backward(y, grad_tensors=grad_y)
         self.tracker.backward_done(i)
         if x is None or not x.requires_grad:
@@ -94,13 +102,16 @@ def _start(
     pc: ParallelContext,
     on_last_backward: Callable[[], None] | None,
     track_activations: bool,
+    recorder,
 ) -> _StageRun:
     if len(micro_batches) == 0:
         raise PipelineScheduleError("a pipeline step needs at least one micro-batch, got 0")
     comm = StageComm.from_context(pc, agreed_shapes(stage))
     tracker = ActivationTracker(stage, track_activations)
     keys = shape_keys(micro_batches)
-    return _StageRun(stage, micro_batches, comm, pc.is_last_stage, on_last_backward, tracker, keys)
+    return _StageRun(
+        stage, micro_batches, comm, pc.is_last_stage, on_last_backward, tracker, keys, recorder
+    )
 
 
 def _finish(run: _StageRun) -> PipelineStepResult:
@@ -117,10 +128,11 @@ def train_step_afab(
     *,
     on_last_backward: Callable[[], None] | None = None,
     track_activations: bool = False,
+    recorder=NO_RECORDER,
 ) -> PipelineStepResult:
     """All forwards, then all backwards: simple, but every micro-batch's activations stay
     alive until the backward phase starts (m per stage)."""
-    run = _start(stage, micro_batches, pc, on_last_backward, track_activations)
+    run = _start(stage, micro_batches, pc, on_last_backward, track_activations, recorder)
     comm, key, m = run.comm, run.keys, len(micro_batches)
     for i in range(m):
         x = comm.recv_forward(key[i])
@@ -138,6 +150,7 @@ def train_step_1f1b(
     *,
     on_last_backward: Callable[[], None] | None = None,
     track_activations: bool = False,
+    recorder=NO_RECORDER,
 ) -> PipelineStepResult:
     """One forward, one backward: after a warm-up of pp - rank - 1 forwards every forward is
     followed by a backward, so at most pp - rank micro-batches are alive on this stage.
@@ -148,7 +161,7 @@ def train_step_1f1b(
     steady phase), m - W send-and-receives, W sends. This holds for every m, m < pp included
     (the steady phase is then empty on the first stages).
     """
-    run = _start(stage, micro_batches, pc, on_last_backward, track_activations)
+    run = _start(stage, micro_batches, pc, on_last_backward, track_activations, recorder)
     comm, key, m = run.comm, run.keys, len(micro_batches)
     warmup = min(pc.pp_size - pc.pp_rank - 1, m)
     steady = m - warmup
@@ -232,9 +245,12 @@ def run_pipeline_step(
     *,
     on_last_backward: Callable[[], None] | None = None,
     track_activations: bool = False,
+    recorder=NO_RECORDER,
 ) -> PipelineStepResult:
     """Run one training step's forwards and backwards with the named engine.
-    `track_activations` measures the saved-activation bytes (hooks on every forward)."""
+    `track_activations` measures the saved-activation bytes (hooks on every forward);
+    `recorder` (a TimelineRecorder, for the one step it records) times each forward and
+    backward per micro-batch and chunk (pipeline/recorder.py)."""
     if engine not in ENGINES:
         raise PipelineScheduleError(
             f"parallelism.pp_engine must be one of {sorted(ENGINES)}, got {engine!r}"
@@ -245,6 +261,7 @@ def run_pipeline_step(
         pc,
         on_last_backward=on_last_backward,
         track_activations=track_activations,
+        recorder=recorder,
     )
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from nanotron_parallel.phase_timer import comm_span
 from nanotron_parallel.tensor_parallel.functional import (
     _all_gather_tensor,
     _reduce_scatter_tensor,
@@ -29,6 +30,12 @@ from nanotron_parallel.tensor_parallel.functional import (
 )
 
 Group = dist.ProcessGroup | None
+
+
+def _wait(handle: dist.Work) -> None:
+    """Wait for an async collective; what is left of it after the overlap is tp time."""
+    with comm_span("tp_comm"):
+        handle.wait()
 
 
 def _start_all_gather(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, dist.Work]:
@@ -47,9 +54,9 @@ def _start_reduce_scatter(x: torch.Tensor, group: Group, native: bool | None):
     if native_reduce_scatter(group, native):
         out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
         handle = _reduce_scatter_tensor(out, x, group=group, async_op=True)
-        return lambda: (handle.wait(), out)[1]
+        return lambda: (_wait(handle), out)[1]
     handle = dist.all_reduce(x, group=group, async_op=True)
-    return lambda: (handle.wait(), x.chunk(world, dim=0)[rank].contiguous())[1]
+    return lambda: (_wait(handle), x.chunk(world, dim=0)[rank].contiguous())[1]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -65,7 +72,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
         with record_function("tp.all_gather.async"):
             full, handle = _start_all_gather(x, group)
         own = F.linear(x, weight, bias)  # overlaps the gather
-        handle.wait()
+        _wait(handle)
         n = x.shape[0]
         parts = [
             own if j == rank else F.linear(full[j * n : (j + 1) * n], weight, bias)
@@ -92,7 +99,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # overlaps the reduce-scatter
             if full_handle is not None:
                 full, handle = full_handle
-                handle.wait()
+                _wait(handle)
             grad_w = _flat(grad_y).t().matmul(_flat(full)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = _flat(grad_y).sum(0)
@@ -128,7 +135,7 @@ class _AsyncRowLinear(torch.autograd.Function):
             return gx, gw
 
         own = chunk_grads(grad_out, rank)  # overlaps the gather
-        handle.wait()
+        _wait(handle)
         per_chunk = [
             own if j == rank else chunk_grads(full[j * n : (j + 1) * n], j) for j in range(world)
         ]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from nanotron_parallel.context import ParallelConfigError
+from nanotron_parallel.phase_timer import comm_span
 
 Group = dist.ProcessGroup | None
 
@@ -35,7 +36,7 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> None:
 def all_reduce_(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce `x` in place over `group` (nothing to do for a group of one); returns `x`."""
     if _world(group) > 1:
-        with record_function("tp.all_reduce"):
+        with record_function("tp.all_reduce"), comm_span("tp_comm"):
             dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -64,7 +65,7 @@ def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     # Gather along dim 0 of a permuted copy: concatenation commutes with the permutation.
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    with record_function("tp.all_gather"):
+    with record_function("tp.all_gather"), comm_span("tp_comm"):
         _all_gather_tensor(out, moved, group=group)
     return out.movedim(0, dim).contiguous()
 
@@ -83,11 +84,11 @@ def _reduce_scatter(x: torch.Tensor, group: Group, dim: int, native: bool | None
     moved = x.movedim(dim, 0).contiguous()
     if native_reduce_scatter(group, native):
         out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
-        with record_function("tp.reduce_scatter"):
+        with record_function("tp.reduce_scatter"), comm_span("tp_comm"):
             _reduce_scatter_tensor(out, moved, group=group)
     else:
         summed = moved.clone()
-        with record_function("tp.reduce_scatter"):
+        with record_function("tp.reduce_scatter"), comm_span("tp_comm"):
             dist.all_reduce(summed, group=group)
         out = summed.chunk(world, dim=0)[dist.get_rank(group)]
     return out.movedim(0, dim).contiguous()

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from nanotron_train.fault.errors import TrainingStopped
+from nanotron_train.fault.errors import NonFiniteStop
 
 Action = Literal["ok", "skip", "stop", "rollback"]
 
@@ -52,9 +52,10 @@ def first_nonfinite_gradient(named_params, pc) -> str:
     return "none (the loss itself is non-finite)"
 
 
-def stop(step: int, loss: float, grad_norm: float | None, named_params, pc) -> TrainingStopped:
+def stop(step: int, loss: float, grad_norm: float | None, named_params, pc) -> NonFiniteStop:
     where = first_nonfinite_gradient(named_params, pc)
-    return TrainingStopped(
+    return NonFiniteStop(
         f"non-finite values at step {step}: lm_loss={loss}, grad_norm={grad_norm}; first "
-        f"parameter with a non-finite gradient: {where} (fault_tolerance.nonfinite_policy: stop)"
+        f"parameter with a non-finite gradient: {where} (fault_tolerance.nonfinite_policy: stop)",
+        step,
     )

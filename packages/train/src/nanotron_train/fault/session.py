@@ -24,6 +24,7 @@ class FaultTolerance:
         )
         self.nonfinite = NonFiniteGuard(ft.nonfinite_policy)
         self.spikes = LossSpikeDetector(ft.loss_spike_window, ft.loss_spike_zscore)
+        self.grad_spikes = LossSpikeDetector(ft.grad_norm_spike_window, ft.grad_norm_spike_zscore)
         self.watchdog = HangWatchdog(
             pc.rank,
             pc.world_size,
@@ -38,8 +39,9 @@ class FaultTolerance:
         self.preemption.restore()
 
     def annotate(self, record: dict[str, Any], action: str) -> dict[str, Any]:
-        """Add the non-finite outcome and a loss-spike z-score to the step's record (numbers
-        reach the dashboard as metrics), and say so on stdout once (rank 0)."""
+        """Add the non-finite outcome and loss / grad-norm spike z-scores to the step's record
+        (numbers reach the dashboard as metrics, telemetry/events.py makes events of them),
+        and say so on stderr once (rank 0)."""
         step, loss = record["step"], record["lm_loss"]
         if action != "ok":
             record["nonfinite"] = action
@@ -59,6 +61,13 @@ class FaultTolerance:
         if z is not None:
             record["loss_spike_z"] = z
             self._say(f"warning: step {step}: loss spike: lm_loss={loss:.6g} (robust z={z:.1f})")
+        norm = record["grad_norm"]
+        z = self.grad_spikes.observe(norm) if norm is not None and action == "ok" else None
+        if z is not None:
+            record["grad_norm_spike_z"] = z
+            self._say(
+                f"warning: step {step}: grad-norm spike: grad_norm={norm:.6g} (robust z={z:.1f})"
+            )
         return record
 
     def rolled_back(self, bad_step: int, to_step: int, pc) -> None:

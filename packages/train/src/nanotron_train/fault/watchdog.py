@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import os
 import sys
 import threading
@@ -30,6 +31,7 @@ from types import FrameType
 from nanotron_train.fault.coordination import try_get
 
 HANG_KEY = "hang"
+HANG_DETAILS_KEY = "hang_details"  # JSON: step, phase, the rank(s) that did not arrive
 
 # (path fragment, phase), innermost frame first: the first match names the phase.
 _PHASES = (
@@ -92,6 +94,9 @@ class HangWatchdog:
         self.dump_path = Path(stack_dump_dir) / f"stacks-rank{rank}.txt"
         self.poll_s = poll_s or max(0.05, min(1.0, timeout_s / 10))
         self._main = threading.main_thread().ident
+        # Called (on the watchdog's thread) with the line and its details just before the
+        # process exits: rank 0 reports a `stall` event to the dashboard (telemetry/).
+        self.on_hang: Callable[[str, dict], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nanotron-watchdog", daemon=True)
         self._beat = 0
@@ -122,6 +127,7 @@ class HangWatchdog:
             self._heartbeat(phase_of(frames) if frames else "idle", waited)
             other = self._posted_hang()
             if other is not None:
+                self._report(other, self._posted_details())
                 self._exit(f"{other} (seen by rank {self.rank})")
             if blocked and waited > self.timeout_s:
                 self._fire(frames, waited)
@@ -143,6 +149,18 @@ class HangWatchdog:
             return None
         return value.decode() if value else None
 
+    def _posted_details(self) -> dict:
+        with contextlib.suppress(Exception):
+            raw = try_get(self.store, HANG_DETAILS_KEY) if self.store is not None else None
+            if raw:
+                return json.loads(raw.decode())
+        return {}
+
+    def _report(self, line: str, details: dict) -> None:
+        if self.on_hang is not None:
+            with contextlib.suppress(Exception):  # the exit must happen whatever this does
+                self.on_hang(line, details)
+
     def _heartbeats(self) -> dict[int, tuple[int, int, str, float]]:
         beats = {}
         for r in range(self.world_size):
@@ -152,12 +170,12 @@ class HangWatchdog:
                 beats[r] = (int(beat), int(step), phase, float(waited))
         return beats
 
-    def _who(self) -> str:
+    def _who(self) -> tuple[str, list[int]]:
         """The rank(s) that did not arrive, with why; read in a helper thread (the store's host
         may be the hung process when not under torchrun)."""
         if self.store is None or self.world_size == 1:
-            return "unknown rank"
-        result: list[str] = []
+            return "unknown rank", []
+        result: list[tuple[str, list[int]]] = []
 
         def read() -> None:
             first = self._heartbeats()
@@ -171,26 +189,27 @@ class HangWatchdog:
                 and (r not in second or (r in first and first[r][0] == second[r][0]))
             ]
             if stale:
-                result.append(
-                    " ".join(f"rank {r}" for r in stale) + " (no heartbeat: stopped, dead "
-                    "or stuck outside a collective)"
-                )
+                text = " ".join(f"rank {r}" for r in stale)
+                text += " (no heartbeat: stopped, dead or stuck outside a collective)"
+                result.append((text, stale))
                 return
             idle = [r for r, b in second.items() if b[3] == 0.0 and r != self.rank]
             if idle:
                 parts = [f"rank {r} (at step {second[r][1]}, in {second[r][2]})" for r in idle]
-                result.append(", ".join(parts) + " (not waiting in a collective)")
+                result.append((", ".join(parts) + " (not waiting in a collective)", idle))
                 return
             behind = [r for r, b in second.items() if b[1] < me[1]]
             if behind:
-                result.append(", ".join(f"rank {r} (at step {second[r][1]})" for r in behind))
+                text = ", ".join(f"rank {r} (at step {second[r][1]})" for r in behind)
+                result.append((text, behind))
                 return
-            result.append("no single rank (every rank waits: a mismatched collective order)")
+            text = "no single rank (every rank waits: a mismatched collective order)"
+            result.append((text, []))
 
         helper = threading.Thread(target=read, daemon=True)
         helper.start()
         helper.join(timeout=10 * self.poll_s + 5)
-        return result[0] if result else "unknown rank (the shared store does not answer)"
+        return result[0] if result else ("unknown rank (the shared store does not answer)", [])
 
     def _dump_stacks(self) -> str:
         try:
@@ -206,14 +225,24 @@ class HangWatchdog:
     def _fire(self, frames: list[FrameType], waited: float) -> None:
         phase = phase_of(frames)
         dump = self._dump_stacks()
-        who = self._who()
+        who, ranks = self._who()
         line = (
             f"collective timeout at step {self.step()}: rank {self.rank} waited {waited:.0f}s "
             f"(parallelism.collective_timeout_s={self.timeout_s:g}) in {phase} for {who}"
         )
+        details = {
+            "step": self.step(),
+            "phase": phase,
+            "rank": ranks[0] if ranks else None,  # the rank that did not arrive
+            "ranks": ranks,
+            "seen_by": self.rank,
+            "waited_s": round(waited, 1),
+        }
         if self.store is not None:
             with contextlib.suppress(Exception):
+                self.store.set(HANG_DETAILS_KEY, json.dumps(details))  # before the line
                 self.store.set(HANG_KEY, line)
+        self._report(line, details)
         self._exit(line, dump)
 
     def _exit(self, line: str, dump: str | None = None) -> None:

@@ -1,0 +1,95 @@
+"""Samples at checkpoints: rank 0's replica continues fixed prompts, greedily, with the KV cache.
+
+When `logging.sample_prompts` is set, every checkpoint the ranks of dp rank 0 (its tp group;
+pp must be 1, checked with the config) decode the prompts in one batch with
+`decoding.generate` (nanotron_train/decoding.py), and rank 0 logs them and sends a `samples`
+message. Training is unchanged by it, bitwise: no gradient is made (no_grad), no RNG state
+moves (greedy decoding draws nothing; `fork_rng` restores the generators anyway), the
+parameters are only read, and the tp mode the model trains in is put back (decoding runs in
+ALL_REDUCE mode: sequence parallelism cannot split one new token over tp).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from nanotron_train.decoding import generate
+
+MAX_COMPLETION_CHARS = 16_000
+
+
+class SampleMaker:
+    def __init__(self, cfg, pc, model, tokenizer) -> None:
+        self.cfg, self.pc, self.model, self.tok = cfg, pc, model, tokenizer
+        self.prompts = list(cfg.logging.sample_prompts)
+        self.max_new = cfg.logging.sample_max_new_tokens
+        eos = tokenizer.eos_token_id
+        # An empty encoding starts a new document: EOS is what precedes one in training data.
+        self.ids = [tokenizer.encode(p) or [eos] for p in self.prompts]
+        limit = model.config.max_position_embeddings
+        longest = max(len(i) for i in self.ids)
+        if longest + self.max_new > limit:
+            raise ValueError(
+                f"logging.sample_prompts: a prompt of {longest} tokens plus "
+                f"logging.sample_max_new_tokens={self.max_new} exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+
+    @classmethod
+    def build(cls, cfg, pc, model) -> SampleMaker | None:
+        if not cfg.logging.sample_prompts:
+            return None
+        from nanotron_train.data import DataError, load_tokenizer
+
+        tk = cfg.tokenizer
+        try:
+            tok = load_tokenizer(tk.tokenizer_name_or_path, tk.tokenizer_revision)
+        except DataError as exc:
+            raise ValueError(f"logging.sample_prompts: {exc}") from None
+        return cls(cfg, pc, model, tok)
+
+    def make(self, step: int, logger) -> list[dict] | None:
+        """Decode on the ranks of dp rank 0 (collective over their tp group); rank 0 logs and
+        sends the samples. Returns them on rank 0."""
+        if self.pc.dp_rank != 0:
+            return None
+        par = self.cfg.parallelism
+        model, eos = self.model, self.tok.eos_token_id
+        devices = [self.pc.device] if self.pc.device.type == "cuda" else []
+        t0 = time.perf_counter()
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.set_tp_mode("ALL_REDUCE", False, self.pc.tensor_collectives, False)
+            try:
+                res = generate(model, self.ids, self.max_new, eos_token_id=eos, pad_token_id=eos)
+            finally:  # back to the training layout
+                model.set_tp_mode(
+                    par.tp_mode,
+                    par.tp_linear_async_communication,
+                    self.pc.tensor_collectives,
+                    par.tp_recompute_allgather,
+                )
+        if self.pc.rank != 0:
+            return None
+        samples = []
+        for prompt, new in zip(self.prompts, res.tokens):
+            text_ids = new[:-1] if new and new[-1] == eos else new
+            samples.append(
+                {"prompt": prompt, "completion": self.tok.decode(text_ids)[:MAX_COMPLETION_CHARS]}
+            )
+        took = time.perf_counter() - t0
+        print(f"samples at step {step} ({took:.2f} s, greedy):", file=sys.stderr, flush=True)
+        for s in samples:
+            print(f"  {s['prompt']!r} -> {s['completion']!r}", file=sys.stderr, flush=True)
+        if logger is not None:
+            logger.samples(
+                {
+                    "step": step,
+                    "time": time.time(),
+                    "max_new_tokens": self.max_new,
+                    "samples": samples,
+                }
+            )
+        return samples

@@ -1,0 +1,38 @@
+"""Stragglers: a rank whose non-waiting time stays above the median of all ranks.
+
+In synchronous training every rank's step takes the same wall time (the others wait for the
+slow one), so step time cannot single a rank out. What differs is the time a rank spends
+working rather than waiting: compute + optimizer + data. A rank is slow in an interval when
+that time exceeds the median over ranks by more than `margin` (a fraction); after `intervals`
+slow intervals in a row it is reported once, and again only after it has recovered.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def busy_ms(entry: dict) -> float:
+    return sum(entry.get(k) or 0.0 for k in ("compute_ms", "optimizer_ms", "data_ms"))
+
+
+class StragglerDetector:
+    def __init__(self, margin: float, intervals: int) -> None:
+        self.margin, self.intervals = margin, intervals
+        self._slow: dict[int, int] = {}  # rank -> slow intervals in a row
+
+    def observe(self, ranks: list[dict]) -> list[tuple[dict, float]]:
+        """The (entry, busy / median) of each rank that has just become a straggler."""
+        if len(ranks) < 2:
+            return []
+        median = statistics.median(busy_ms(e) for e in ranks)
+        found = []
+        for e in ranks:
+            ratio = busy_ms(e) / median if median > 0 else 1.0
+            if ratio > 1.0 + self.margin:
+                self._slow[e["rank"]] = self._slow.get(e["rank"], 0) + 1
+                if self._slow[e["rank"]] == self.intervals:
+                    found.append((e, ratio))
+            else:
+                self._slow[e["rank"]] = 0
+        return found

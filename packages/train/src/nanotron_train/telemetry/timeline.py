@@ -1,0 +1,72 @@
+"""The pipeline timeline of one step, gathered on rank 0, with its bubble against the formula.
+
+Every `logging.pipeline_timeline_interval` steps (pp > 1) the trainer aligns all ranks with a
+barrier, runs the step with a `TimelineRecorder` (nanotron_parallel/pipeline/recorder.py) and
+then gathers the spans of one replica (dp = 0, tp = 0: one rank per stage) to rank 0.
+
+bubble_measured: per stage, 1 - (sum of its span durations) / (the step's span, from the common
+start to the last span's end on any stage), averaged over stages. bubble_formula: the idle share
+of the ideal schedule, (pp - 1) / (v * m + pp - 1) with v chunks per rank and m micro-batches
+(the same for afab and 1f1b; interleaved divides the fill by v).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def bubble_formula(pp: int, v: int, m: int) -> float:
+    return (pp - 1) / (v * m + pp - 1)
+
+
+def bubble_measured(spans: list[dict], pp: int) -> float:
+    end = max((s["end_ms"] for s in spans), default=0.0)
+    if end <= 0:
+        return 0.0
+    idle = []
+    for stage in range(pp):
+        busy = sum(s["end_ms"] - s["start_ms"] for s in spans if s["stage"] == stage)
+        idle.append(min(1.0, max(0.0, 1.0 - busy / end)))
+    return sum(idle) / pp
+
+
+def gather_spans(spans: list[dict] | None, pc) -> list[dict] | None:
+    """Rank 0: every stage's spans (from dp = tp = 0), each with its `stage`; others: None."""
+    mine = spans if pc.dp_rank == 0 and pc.tp_rank == 0 else None
+    got: list | None = [None] * pc.world_size if pc.rank == 0 else None
+    dist.gather_object((pc.pp_rank, mine), got, dst=0, group=pc.world_group)
+    if got is None:
+        return None
+    out = []
+    for stage, stage_spans in got:
+        for s in stage_spans or []:
+            out.append({"stage": stage, **s})
+    out.sort(key=lambda s: (s["stage"], s["start_ms"]))
+    return out
+
+
+def timeline_message(
+    step: int, time_s: float, engine: str, pp: int, v: int, m: int, spans: list[dict]
+) -> dict:
+    return {
+        "type": "pipeline_timeline",
+        "step": step,
+        "time": time_s,
+        "schedule": engine,
+        "pp": pp,
+        "chunks": v,
+        "micro_batches": m,
+        "bubble_measured": bubble_measured(spans, pp),
+        "bubble_formula": bubble_formula(pp, v, m),
+        "spans": [
+            {
+                "stage": s["stage"],
+                "chunk": s["chunk"],
+                "micro_batch": s["micro_batch"],
+                "kind": s["kind"],
+                "start_ms": max(0.0, s["start_ms"]),
+                "end_ms": max(0.0, s["end_ms"]),
+            }
+            for s in spans
+        ],
+    }

@@ -1,0 +1,164 @@
+"""Telemetry pieces with values: config refusals, the straggler and throughput rules, the bubble
+formula, the client's bounded telemetry queue, and losses bitwise unchanged by telemetry."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from nanotron_parallel.testing import run_distributed, shared_default_group
+from nanotron_train.config import config_from_dict
+from nanotron_train.config_loader import ConfigError
+from nanotron_train.dashboard_client import DashboardClient
+from nanotron_train.telemetry.events import ThroughputWatch
+from nanotron_train.telemetry.stragglers import StragglerDetector
+from nanotron_train.telemetry.timeline import bubble_formula, bubble_measured
+from tests.train.test_checkpoint import tiny_config
+
+ONE = {"dp": 1, "tp": 1, "pp": 1}
+
+
+def raw_config(layout=ONE, **sections) -> dict:
+    raw = tiny_config(layout, None, steps=4)
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("sections", "key", "message"),
+    [
+        ({"logging": {"rank_stats_interval": -1}}, "logging.rank_stats_interval", "must be >= 0"),
+        ({"logging": {"pipeline_timeline_interval": -2}}, "logging.pipeline_timeline_interval",
+         "must be >= 0"),
+        ({"logging": {"straggler_margin": 0}}, "logging.straggler_margin", "must be > 0"),
+        ({"logging": {"straggler_intervals": 0}}, "logging.straggler_intervals", "must be >= 1"),
+        ({"logging": {"throughput_drop_fraction": 1.5}}, "logging.throughput_drop_fraction",
+         "must be in (0, 1)"),
+        ({"logging": {"sample_max_new_tokens": 0}}, "logging.sample_max_new_tokens",
+         "must be in [1, 4096]"),
+        ({"logging": {"sample_prompts": ["a"]}}, "logging.sample_prompts",
+         "needs tokenizer.tokenizer_name_or_path"),
+        ({"logging": {"sample_prompts": [""]}}, "logging.sample_prompts.0", "1 to 4000 characters"),
+        ({"logging": {"sample_prompts": ["a"] * 65}}, "logging.sample_prompts", "at most 64"),
+        ({"logging": {"sample_prompts": "abc"}}, "logging.sample_prompts", "expected a list"),
+        ({"logging": {"sample_prompts": ["a"]}, "tokenizer": {"tokenizer_name_or_path": "t"}},
+         "logging.sample_prompts", "samples are made at each checkpoint"),
+        ({"fault_tolerance": {"grad_norm_spike_window": 3}},
+         "fault_tolerance.grad_norm_spike_window", "must be 0 (off) or >= 8"),
+        ({"fault_tolerance": {"grad_norm_spike_zscore": 0}},
+         "fault_tolerance.grad_norm_spike_zscore", "must be > 0"),
+    ],
+)  # fmt: skip
+def test_bad_telemetry_keys_are_refused_in_one_line(sections, key, message):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw_config(**sections), "cfg.yaml")
+    text = str(err.value)
+    assert text.startswith(f"cfg.yaml: {key}: ") and message in text and "\n" not in text
+
+
+def test_samples_under_pipeline_parallelism_are_refused():
+    raw = raw_config(
+        {"dp": 1, "tp": 1, "pp": 2},
+        logging={"sample_prompts": ["x"]},
+        tokenizer={"tokenizer_name_or_path": "tok"},
+        checkpoints={"checkpoints_path": "ck", "checkpoint_interval": 2},
+    )
+    with pytest.raises(ConfigError, match=r"logging.sample_prompts: samples need parallelism.pp"):
+        config_from_dict(raw, "cfg.yaml")
+
+
+def _ranks(busy: list[float]) -> list[dict]:
+    return [
+        {"rank": r, "compute_ms": b * 0.8, "optimizer_ms": b * 0.15, "data_ms": b * 0.05}
+        for r, b in enumerate(busy)
+    ]
+
+
+def test_straggler_needs_consecutive_slow_intervals_and_is_reported_once():
+    det = StragglerDetector(margin=0.2, intervals=3)
+    slow = _ranks([10, 10, 10, 13])  # rank 3: 1.3x the median
+    assert det.observe(slow) == [] and det.observe(slow) == []
+    assert det.observe(_ranks([10, 10, 10, 11])) == []  # 1.1x: recovered, count restarts
+    assert det.observe(slow) == [] and det.observe(slow) == []
+    (found,) = det.observe(slow)
+    assert found[0]["rank"] == 3 and found[1] == pytest.approx(1.3)
+    assert det.observe(slow) == []  # once per episode
+    assert StragglerDetector(0.2, 1).observe(_ranks([10])) == []  # one rank: no median
+
+
+def test_throughput_drop_against_the_running_median():
+    watch = ThroughputWatch(0.5)
+    for v in (100, 110, 90, 105, 95):
+        assert watch.observe(v) is None
+    assert watch.observe(40) == (40, 100)
+    assert watch.observe(30) is None  # the same drop
+    assert watch.observe(100) is None
+    assert watch.observe(45) == (45, 100)  # a new drop; the low values never entered
+
+
+def test_bubble_formula_and_measure():
+    assert bubble_formula(4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_formula(4, 2, 8) == pytest.approx(3 / 19)
+    spans = [
+        {"stage": 0, "start_ms": 0.0, "end_ms": 2.0},
+        {"stage": 0, "start_ms": 3.0, "end_ms": 4.0},
+        {"stage": 1, "start_ms": 1.0, "end_ms": 3.0},
+    ]
+    assert bubble_measured(spans, 2) == pytest.approx(((1 - 3 / 4) + (1 - 2 / 4)) / 2)
+
+
+def test_client_keeps_events_and_bounds_waiting_telemetry():
+    client = DashboardClient("http://127.0.0.1:9", run_id="r", heartbeat_s=60)  # nobody there
+    try:
+        client.telemetry_queue = 5
+        for step in range(8):
+            client.telemetry({"type": "rank_stats", "step": step, "ranks": []})
+            client.event("straggler", "warning", "x" * 3000, step, {"rank": 1})
+        with client._cv:
+            items = list(client._items)
+        telemetry = [m["step"] for kind, m in items if m["type"] == "rank_stats"]
+        events = [m for kind, m in items if m["type"] == "event"]
+        assert telemetry == [3, 4, 5, 6, 7] and client.dropped_telemetry == 3
+        assert [e["step"] for e in events] == list(range(8))
+        assert len(events[0]["message"]) == 2000 and events[0]["run_id"] == "r"
+    finally:
+        client.close(timeout=0.1)
+
+
+def _losses_and_weights(telemetry: bool) -> tuple[list[float], list[torch.Tensor]]:
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+
+    raw = tiny_config({"dp": 1, "tp": 1, "pp": 2}, None, steps=4)
+    raw["logging"].update(
+        rank_stats_interval=1 if telemetry else 0,
+        pipeline_timeline_interval=1 if telemetry else 0,
+    )
+    pc = ParallelContext(dp=1, tp=1, pp=2)
+    try:
+        trainer = Trainer(config_from_dict(copy.deepcopy(raw)), pc, stream=io.StringIO())
+        records: list[dict] = []
+        trainer.train(on_record=records.append, every_step=True)
+        return [r["lm_loss"] for r in records], [
+            p.detach().clone() for p in trainer.state.model.parameters()
+        ]
+    finally:
+        pc.destroy()
+
+
+def _compare_on_rank() -> bool:
+    torch.set_num_threads(1)
+    with shared_default_group():
+        off = _losses_and_weights(False)
+        on = _losses_and_weights(True)
+    assert off[0] == on[0] and len(off[0]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(off[1], on[1], strict=True))
+    return True
+
+
+def test_losses_and_weights_bitwise_unchanged_with_telemetry_on():
+    assert run_distributed(_compare_on_rank, 2) == [True, True]
