@@ -40,6 +40,8 @@ FIELDS = (
     "cpu_util_pct",
 )
 INT_FIELDS = {"mem_bytes", "mem_reserved_bytes"}
+# Newer torch names the tensor-in/tensor-out all-gather "all_gather_single".
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 RANKS_PER_MESSAGE = 2048  # about 0.6 MB of JSON: under the dashboard's 1 MiB per message
 
 
@@ -115,7 +117,7 @@ def gather_rows(row: list[float], pc) -> list[list[float]]:
     if pc.world_size == 1:
         return [mine.tolist()]
     table = torch.empty(pc.world_size * len(FIELDS), dtype=torch.float64, device=pc.device)
-    dist.all_gather_into_tensor(table, mine, group=pc.world_group)
+    _all_gather_tensor(table, mine, group=pc.world_group)
     return table.view(pc.world_size, len(FIELDS)).tolist()
 
 

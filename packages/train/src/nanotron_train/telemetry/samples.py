@@ -76,8 +76,9 @@ class SampleMaker:
         samples = []
         for prompt, new in zip(self.prompts, res.tokens):
             text_ids = new[:-1] if new and new[-1] == eos else new
+            text = self.tok.decode(text_ids).replace("\x00", "")  # the dashboard refuses NUL
             samples.append(
-                {"prompt": prompt, "completion": self.tok.decode(text_ids)[:MAX_COMPLETION_CHARS]}
+                {"prompt": prompt.replace("\x00", ""), "completion": text[:MAX_COMPLETION_CHARS]}
             )
         took = time.perf_counter() - t0
         print(f"samples at step {step} ({took:.2f} s, greedy):", file=sys.stderr, flush=True)
