@@ -18,6 +18,7 @@ from nanotron_dashboard import ingest
 from nanotron_dashboard.app import Settings, create_app
 from nanotron_dashboard.messages import parse_messages
 from nanotron_dashboard.telemetry_messages import RANK_FIELDS
+from nanotron_dashboard.telemetry_store import StallCheck
 
 
 @pytest.fixture(scope="module")
@@ -373,3 +374,18 @@ def test_an_older_database_gets_the_new_tables_and_delete_removes_telemetry(tmp_
     for t in ("rank_stats", "timelines", "events", "samples", "run_labels"):
         assert con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] == 0, t
     con.close()
+
+
+def test_silence_while_the_dashboard_was_down_counts_from_its_start(tmp_path):
+    app = create_app(Settings(db=str(tmp_path / "d.db")))
+    with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as s:
+        post(s, {"type": "run_start", "run_id": "z"})
+        hb = s.get("/api/runs/z").json()["updated"]
+    engine = app.state.engine  # disposed, reconnects on use
+    check = StallCheck(300.0, started=hb + 3600)  # a server started an hour later
+    with engine.begin() as conn:
+        assert check(conn, now=hb + 3600 + 299) == []  # up for 299 s: not yet
+        evs = check(conn, now=hb + 3600 + 300)
+        assert [(e["run_id"], e["kind"]) for e in evs] == [("z", "stall")]
+        assert check(conn, now=hb + 3600 + 900) == []  # the same silence: once
+    engine.dispose()

@@ -190,12 +190,17 @@ class StallCheck:
 
     Once per silence: run_stall keeps the heartbeat each event was derived from, so the
     same silence is not reported again, and a new message followed by a new silence is.
+    Silence is counted from this server's start at the earliest: while the dashboard was
+    down the trainers could not reach it, which is not theirs to answer for.
     """
 
-    def __init__(self, after_s: float) -> None:
+    def __init__(self, after_s: float, started: float | None = None) -> None:
         self.after_s = after_s
+        self.started = time.time() if started is None else started
 
     def __call__(self, conn: Connection, now: float) -> list[EventDict]:
+        if now - self.started < self.after_s:
+            return []
         rows = conn.exec_driver_sql(
             "SELECT r.pk, r.id, r.step, r.heartbeat FROM runs r WHERE r.status='running' "
             "AND r.heartbeat IS NOT NULL AND r.heartbeat < ? AND NOT EXISTS (SELECT 1 FROM "
