@@ -2,6 +2,8 @@
 
 Same weights (converted from the HF model), same batch, same threads, one process. The two are
 measured alternately, several repeats; the printed figure is the median of ours / HF tokens/s.
+A third model, ours with `model.fused_linear_cross_entropy: false` (the lm_head's full logits,
+then the cross-entropy), runs in the same rotation: its line shows what the fused loss gains.
 
     .venv/bin/python bench/model_vs_hf.py [--threads 1] [--repeats 15] [--iters 1]
 
@@ -62,6 +64,9 @@ def main() -> None:
     pc = ParallelContext()
     ours = build_llama(config, pc, seed=0).train()
     ours.load_state_dict(hf_state_dict_to_ours(hf.state_dict(), config))
+    unfused = build_llama(config, pc, seed=0).train()
+    unfused.load_state_dict(ours.state_dict())
+    unfused.set_fused_loss(False)
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1))
     input_ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -71,9 +76,14 @@ def main() -> None:
         "label_mask": torch.ones_like(labels, dtype=torch.bool),
     }
 
-    def step_ours() -> None:
-        ours.zero_grad(set_to_none=True)
-        ours(None, batch).backward()
+    def step_of(model):
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(None, batch).backward()
+
+        return step
+
+    step_ours, step_unfused = step_of(ours), step_of(unfused)
 
     def step_hf() -> None:
         hf.zero_grad(set_to_none=True)
@@ -82,28 +92,28 @@ def main() -> None:
 
     # Same loss before timing anything: the comparison is between equal computations.
     step_ours()
+    step_unfused()
     step_hf()
     with torch.no_grad():
         loss_ours = float(ours(None, batch))
+        assert abs(float(unfused(None, batch)) - loss_ours) <= 1e-5 * abs(loss_ours)
     with torch.no_grad():
         logits = hf(input_ids).logits
     loss_hf = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
     assert abs(loss_ours - loss_hf) <= 1e-5 * abs(loss_hf), (loss_ours, loss_hf)
 
     tokens = args.iters * args.batch * args.seq
-    ratios, cpu_ratios, ours_tps, hf_tps = [], [], [], []
+    ratios, cpu_ratios, fused_gains, ours_tps, hf_tps = [], [], [], [], []
+    steps = [("ours", step_ours), ("hf", step_hf), ("unfused", step_unfused)]
     for r in range(args.repeats):
-        # Alternate which goes first so slow drifts of the machine hit both equally.
-        order = (
-            (("ours", step_ours), ("hf", step_hf))
-            if r % 2 == 0
-            else (("hf", step_hf), ("ours", step_ours))
-        )
+        # Rotate which goes first so slow drifts of the machine hit all alike.
+        order = steps[r % 3 :] + steps[: r % 3]
         seconds = {name: _time(step, args.iters) for name, step in order}
         ours_tps.append(tokens / seconds["ours"][0])
         hf_tps.append(tokens / seconds["hf"][0])
         ratios.append(ours_tps[-1] / hf_tps[-1])
         cpu_ratios.append(seconds["hf"][1] / seconds["ours"][1])
+        fused_gains.append(seconds["unfused"][0] / seconds["ours"][0])
     pc.destroy()
     print(
         f"config: hidden={config.hidden_size} layers={config.num_hidden_layers} "
@@ -115,6 +125,7 @@ def main() -> None:
     print(f"ratios: {' '.join(f'{x:.3f}' for x in ratios)}")
     # CPU time of this process is less disturbed by other jobs on a shared machine.
     print(f"ours / HF by CPU time (median): {statistics.median(cpu_ratios):.3f}")
+    print(f"fused / unfused lm_head + loss, ours (median): {statistics.median(fused_gains):.3f}")
     print(f"ours / HF forward+backward tokens/s: {statistics.median(ratios):.3f}")
 
 

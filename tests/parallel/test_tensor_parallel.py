@@ -21,7 +21,7 @@ TORCHRUN_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-FAMILIES = ("column", "row", "embedding", "cross_entropy", "collective")
+FAMILIES = ("column", "row", "embedding", "cross_entropy", "fused_loss", "collective")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,7 @@ def test_primitive_matches_torch_reference(tp_results, tp: int, family: str) -> 
         "row": 2 * 4,
         "embedding": 2 * 2,
         "cross_entropy": 3 * 2,
+        "fused_loss": 3 * 2 * 5,  # vocabs x (z-loss off, on) x quantities
         "collective": 3 * 4 * 2 + 2 * 2,
     }[family]
     assert checked == expected * tp

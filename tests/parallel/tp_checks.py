@@ -27,6 +27,8 @@ from nanotron_parallel import (
     scatter_to_tp,
     shard_tensor,
     vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_with_z_loss,
+    vocab_parallel_linear_cross_entropy,
 )
 
 SEQ, BATCH, IN, OUT, VOCAB = 8, 2, 8, 12, 16
@@ -165,6 +167,55 @@ def check_cross_entropy(pc: ParallelContext, errs: dict, vocab: int) -> None:
     )
 
 
+def check_fused_loss(pc: ParallelContext, errs: dict, vocab: int, z: float) -> None:
+    """The fused lm_head + cross-entropy against the unfused path (column-parallel matmul,
+    then the vocab-parallel cross-entropy), on a weighted sum with masked tokens (one with an
+    ignore-index label), several token chunks, an incoming gradient of 0.5, and no_grad."""
+    r, tp, g = pc.tp_rank, pc.tp_size, torch.Generator().manual_seed(40 + vocab)
+    padded, tokens = -(-vocab // tp) * tp, SEQ * BATCH
+    hidden = torch.randn(tokens, IN, generator=g)
+    weight = shard_tensor(torch.randn(padded, IN, generator=g), 0, r, tp)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    targets[3] = -100
+    mask = torch.rand(tokens, generator=g) > 0.25
+    mask[3] = False
+    w = mask.float() / mask.sum()
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = F.linear(copy_to_tp(h_ref, pc.tp_group), w_ref)
+    if z:
+        per_token, z_tok = vocab_parallel_cross_entropy_with_z_loss(
+            logits, targets, pc.tp_group, vocab, z
+        )
+        z_ref = (z_tok * w).sum()
+    else:
+        per_token = vocab_parallel_cross_entropy(logits, targets, pc.tp_group, vocab)
+        z_ref = torch.zeros(())
+    loss_ref = (per_token * w).sum()
+    (0.5 * loss_ref).backward()
+
+    h, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, z_sum = vocab_parallel_linear_cross_entropy(
+        copy_to_tp(h, pc.tp_group), wt, targets, w, pc.tp_group, vocab, z, chunk_rows=5
+    )
+    (0.5 * loss).backward()
+    with torch.no_grad():
+        eval_loss, _ = vocab_parallel_linear_cross_entropy(
+            hidden, weight.requires_grad_(), targets, w, pc.tp_group, vocab, z, chunk_rows=7
+        )
+    assert not eval_loss.requires_grad and not z_sum.requires_grad
+    _record(
+        errs,
+        f"fused_loss_v{vocab}_z{z}",
+        {
+            "loss": (loss.detach(), loss_ref.detach()),
+            "z_loss": (z_sum, z_ref) if z else (z_sum, torch.zeros(())),
+            "eval_loss": (eval_loss, loss_ref.detach()),
+            "grad_hidden": (h.grad, h_ref.grad),
+            "grad_weight": (wt.grad, w_ref.grad),
+        },
+    )
+
+
 def check_collectives(pc: ParallelContext, errs: dict) -> None:
     """Each differentiable collective's forward and backward against its definition.
 
@@ -265,6 +316,8 @@ def tp_worker(tp: int) -> dict:
             check_embedding(pc, mode, errs)
         for vocab in sorted({VOCAB, VOCAB - 1, 2 * tp + 1}):
             check_cross_entropy(pc, errs, vocab)
+            for z in (0.0, 0.01):
+                check_fused_loss(pc, errs, vocab, z)
         check_collectives(pc, errs)
         messages = check_errors(pc) if tp > 1 else []
         return {"errs": errs, "messages": messages}

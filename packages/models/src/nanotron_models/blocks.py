@@ -21,6 +21,7 @@ from nanotron_parallel.tensor_parallel import (
     copy_to_tp,
     vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy_with_z_loss,
+    vocab_parallel_linear_cross_entropy,
 )
 
 from .attention import attention, resolve_backend
@@ -153,8 +154,35 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(inter, h, group, mode, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        if torch.compiler.is_compiling():  # inductor fuses the plain ops better
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(_SwiGLUFunction.apply(gate_up))
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up from the fused gate_up output [..., 2 * inter], with a hand-written
+    backward that writes both halves of the input gradient into one tensor: autograd's
+    decomposition makes them apart and concatenates them (one pass more; same results, about
+    20% faster on the CPU). Saves what autograd saves: gate_up and silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        ctx.save_for_backward(gate_up, silu)
+        return silu * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gate_up, silu = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_in = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_in.chunk(2, dim=-1)
+        torch.mul(grad, silu, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_in
 
 
 class DecoderLayer(nn.Module):
@@ -197,6 +225,7 @@ class Loss(nn.Module):
 
     With a z-loss coefficient the mean includes the z-loss, and `z_loss_sum` accumulates its
     detached mean per micro-batch on the device (no host sync) for the trainer to log.
+    `from_hidden` computes the same from the lm_head's input, never holding the full logits.
     """
 
     def __init__(self, vocab_size: int, group, z_loss_coefficient: float = 0.0):
@@ -204,6 +233,27 @@ class Loss(nn.Module):
         self.vocab_size, self.group = vocab_size, group
         self.z_loss_coefficient = z_loss_coefficient
         self.z_loss_sum: torch.Tensor | None = None
+
+    def from_hidden(self, x: torch.Tensor, batch: Batch, head: LMHead) -> torch.Tensor:
+        """The loss of `head(x)`, with the lm_head matmul fused into the cross-entropy
+        (nanotron_parallel's vocab_parallel_linear_cross_entropy): its logits are made chunk by
+        chunk and its gradients computed in the forward when autograd will want them."""
+        hidden = head.replicated_input(x)  # [s, b, h], as the lm_head multiplies it
+        labels = batch["label_ids"].transpose(0, 1).flatten()
+        mask = batch["label_mask"].transpose(0, 1).flatten().to(torch.float32)
+        token_weights = mask / mask.sum().clamp(min=1.0)
+        loss, z_mean = vocab_parallel_linear_cross_entropy(
+            hidden.flatten(0, 1),
+            head.weight,
+            labels,
+            token_weights,
+            self.group,
+            self.vocab_size,
+            self.z_loss_coefficient,
+        )
+        if self.z_loss_coefficient:
+            self.z_loss_sum = z_mean if self.z_loss_sum is None else self.z_loss_sum + z_mean
+        return loss
 
     def forward(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         labels = batch["label_ids"].transpose(0, 1)

@@ -40,7 +40,7 @@ class LlamaStage(nn.Module):
 
     Options that change how, not what, the stage computes are set by methods after it is
     built (the trainer's `parallelize` calls them): `set_tp_mode`, `set_recompute`,
-    `compile_layers`. Parameter names stay the same whatever is applied.
+    `compile_layers`, `set_fused_loss`. Parameter names stay the same whatever is applied.
     """
 
     def __init__(
@@ -78,6 +78,8 @@ class LlamaStage(nn.Module):
             self.loss = Loss(c.vocab_size, group, c.z_loss_weight)
         self.recompute = False
         self._compiled_checkpoints: dict = {}  # compile_layers with recompute on
+        self.fused_loss = False
+        self.set_fused_loss(True)
 
     def block(self, name: str) -> nn.Module:
         if name.startswith("decoder."):
@@ -115,6 +117,14 @@ class LlamaStage(nn.Module):
         same order, so the collectives inside still match."""
         self.recompute = enabled
 
+    def set_fused_loss(self, enabled: bool) -> None:
+        """On (the default): a stage holding the lm_head and the loss computes them together,
+        chunk by chunk over tokens, without the fp32 logits of the whole vocab
+        (`Loss.from_hidden`); the lm_head block then passes its input through. Off: the
+        lm_head returns the logit shard and the loss reads it. Same loss and gradients up to
+        float rounding."""
+        self.fused_loss = bool(enabled) and {"lm_head", "loss"} <= set(self.block_names)
+
     def compile_layers(self) -> None:
         """`torch.compile` each decoder layer in place (nn.Module.compile: names unchanged).
         With recompute on (call `set_recompute` first), the checkpointed call is compiled as a
@@ -141,8 +151,12 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:
         recompute = self.recompute and torch.is_grad_enabled()
         for name in self.block_names:
+            if self.fused_loss and name == "lm_head":
+                continue  # the loss block runs the lm_head (set_fused_loss)
             block = self.block(name)
-            if recompute and isinstance(block, DecoderLayer):
+            if self.fused_loss and name == "loss":
+                x = block.from_hidden(x, batch, self.lm_head)
+            elif recompute and isinstance(block, DecoderLayer):
                 compiled = self._compiled_checkpoints.get(name.split(".", 1)[1])
                 x = compiled(x, batch) if compiled else _checkpointed(block, x, batch)
             else:

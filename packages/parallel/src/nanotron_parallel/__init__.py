@@ -34,6 +34,8 @@ from nanotron_parallel.tensor_parallel import (
     reduce_scatter_from_tp,
     scatter_to_tp,
     vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_with_z_loss,
+    vocab_parallel_linear_cross_entropy,
 )
 
 try:  # the one version of the four packages (the repository's VERSION file)
@@ -65,4 +67,6 @@ __all__ = [
     "unshard_tensor",
     "validate_degrees",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_with_z_loss",
+    "vocab_parallel_linear_cross_entropy",
 ]

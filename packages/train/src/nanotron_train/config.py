@@ -84,6 +84,8 @@ class ModelArgs:
     make_vocab_size_divisible_by: int = 1
     ddp_bucket_cap_mb: int = 25
     compile: bool = False  # torch.compile each decoder layer (see parallelize.py)
+    # lm_head + cross-entropy chunk by chunk, never the fp32 logits of the whole vocab (ours)
+    fused_linear_cross_entropy: bool = True
 
 
 @dataclass

@@ -7,7 +7,8 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
    overlapped linears (`tp_linear_async_communication`, validated by the layers), whether
    reduce-scatters run natively (`pc.tensor_collectives`: NCCL, or forced in tests), and
    `tp_recompute_allgather` (REDUCE_SCATTER: column-parallel linears keep their input shard and
-   gather it again in the backward).
+   gather it again in the backward). The loss: with `model.fused_linear_cross_entropy` (the
+   default) the last stage computes lm_head and cross-entropy together, token chunk by chunk.
    (Context parallel, issue 17, goes here: it changes attention, before anything wraps it.)
 2. Recompute (`parallelism.recompute_layer`): each decoder layer under activation checkpointing.
 3. Compile (`model.compile`): each decoder layer compiled in place, or, with recompute on, the
@@ -65,6 +66,7 @@ def parallelize(
             pc.tensor_collectives,
             par.tp_recompute_allgather,
         )
+        chunk.set_fused_loss(cfg.model.fused_linear_cross_entropy)
     for chunk in chunks:  # 2. recompute
         chunk.set_recompute(par.recompute_layer)
     if cfg.model.compile:  # 3. compile

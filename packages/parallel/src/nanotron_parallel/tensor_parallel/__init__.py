@@ -18,6 +18,9 @@ from nanotron_parallel.tensor_parallel.layers import (
     TensorParallelLinearMode,
     VocabParallelEmbedding,
 )
+from nanotron_parallel.tensor_parallel.linear_cross_entropy import (
+    vocab_parallel_linear_cross_entropy,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -32,4 +35,5 @@ __all__ = [
     "scatter_to_tp",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_cross_entropy_with_z_loss",
+    "vocab_parallel_linear_cross_entropy",
 ]

@@ -222,6 +222,14 @@ class ColumnParallelLinear(_TPLinearBase):
             y = gather_from_tp(y, self.group, dim=-1)
         return y
 
+    def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input this rank's rows multiply, for a caller that does the matmul itself (the
+        fused lm_head + loss): `x` entering the tp region (ALL_REDUCE) or its sequence
+        gathered over tp (REDUCE_SCATTER); the backward sums the gradient over tp."""
+        if self.mode is TensorParallelLinearMode.ALL_REDUCE:
+            return copy_to_tp(x, self.group)
+        return all_gather_to_tp(x, self.group, 0, self.tensor_collectives)
+
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
