@@ -32,7 +32,7 @@ def folders(tmp_path_factory):
     return out + [str(small)]
 
 
-def make(stages, *, mbs=2, accum=2, dp=1, rank=0, mask=False, vocab=400):
+def make(stages, *, mbs=2, accum=2, dp=1, rank=0, vocab=400):
     return TrainData(
         stages,
         sequence_length=SEQ,
@@ -43,7 +43,6 @@ def make(stages, *, mbs=2, accum=2, dp=1, rank=0, mask=False, vocab=400):
         tokenizer_path=None,
         cache_dir="unused",
         model_vocab_size=vocab,
-        mask_across_documents=mask,
     )
 
 
@@ -184,10 +183,10 @@ def test_epoch_wraparound_reshuffles_and_logs_once(folders, caplog):
     assert [r.getMessage().split("starting epoch ")[1][:1] for r in wraps] == ["2", "3"]
 
 
-def test_label_mask_across_documents(folders):
-    stages = [StageSpec("m", 1, DatasetSpec(folders[0]), 0)]
-    plain = make(stages, mask=False).micro_batches(1)
-    masked = make(stages, mask=True).micro_batches(1)
+def test_eod_mask_loss_masks_the_label_after_each_document(folders):
+    plain = make([StageSpec("m", 1, DatasetSpec(folders[0]), 0)]).micro_batches(1)
+    masked = make([StageSpec("m", 1, DatasetSpec(folders[0], eod_mask_loss=True), 0)])
+    masked = masked.micro_batches(1)
     saw_eos = 0
     for a, b in zip(plain, masked):
         assert torch.equal(a["input_ids"], b["input_ids"])

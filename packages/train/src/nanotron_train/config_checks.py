@@ -101,6 +101,11 @@ _SECTION_FEATURES = {
     "metrics_logging": "Nanotron's per-layer detailed metrics",
 }
 
+
+def _eod_masks(cfg: Config) -> set[bool]:
+    return {s.data.dataset.eod_mask_loss for s in cfg.data_stages if s.data.dataset is not None}
+
+
 CHECKS: tuple[Check, ...] = (
     # general
     Check(
@@ -229,6 +234,12 @@ CHECKS: tuple[Check, ...] = (
         "data_stages",
         lambda c: len({s.name for s in c.data_stages}) == len(c.data_stages),
         lambda c: f"stage names must be unique, got {[s.name for s in c.data_stages]}",
+    ),
+    Check(  # the held-out documents are evaluated one way
+        "data_stages",
+        lambda c: c.validation is None or c.validation.split is None or len(_eod_masks(c)) < 2,
+        "data.dataset.eod_mask_loss differs between stages: with validation.split, set it the "
+        "same in every stage (it also decides the validation labels)",
     ),
     # logging
     at_least("logging.iteration_step_info_interval", 1),

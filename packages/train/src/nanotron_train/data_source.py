@@ -204,6 +204,15 @@ class BuilderBarrier:
         return json.loads(self.store.get(key))["error"]
 
 
+def _eod_mask_loss(cfg: Config) -> bool:
+    """Whether validation masks the label after each document's end: `validation.dataset`'s
+    own key, or with `validation.split` the training stages' (config_checks makes them agree)."""
+    val = cfg.validation
+    if val.split is None:
+        return val.dataset.eod_mask_loss
+    return any(s.data.dataset.eod_mask_loss for s in cfg.data_stages if s.data.dataset)
+
+
 def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
     """This dp rank's `ValidationData`, or None without a `validation` section.
 
@@ -254,5 +263,5 @@ def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
         dp_rank=pc.dp_rank,
         dp_size=pc.dp_size,
         limit_batches=tok.limit_val_batches,
-        mask_across_documents=any(getattr(s, "mask_across_documents", False) for s in sources),
+        eod_mask_loss=_eod_mask_loss(cfg),
     )

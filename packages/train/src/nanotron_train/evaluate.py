@@ -5,7 +5,8 @@ token-weighted loss over the validation set, its perplexity and the tokens evalu
 samples, their order and the batch size are those of training's evaluation (data/validation.py,
 one batch = the run's global batch), so `--limit-batches B` measures what
 `tokens.limit_val_batches: B` measured during training, and the same val_loss comes out.
-`--split F` evaluates the documents a run with `validation.split: F` held out of DIR.
+`--split F` evaluates the documents a run with `validation.split: F` held out of DIR;
+`--eod-mask-loss` masks the labels after document ends, as a run with `eod_mask_loss: true`.
 `python -m nanotron_train.evaluate ...` runs one process; `--json` prints one JSON object.
 A user error (a folder tokenized with another tokenizer than the checkpoint's, ids beyond its
 vocabulary, a bad checkpoint) prints one line from rank 0 and exits with status 2.
@@ -34,6 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--limit-batches", type=int, default=0, help="validation batches to evaluate (0 = all)"
     )
     p.add_argument("--split", type=float, help="evaluate only the held-out documents of a split")
+    p.add_argument(
+        "--eod-mask-loss",
+        action="store_true",
+        help="leave out the label after each document's end (as a run with eod_mask_loss)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p.parse_args(argv)
 
@@ -107,6 +113,7 @@ def run(args: argparse.Namespace, pc) -> dict:
         dp_rank=0,
         dp_size=1,
         limit_batches=args.limit_batches,
+        eod_mask_loss=args.eod_mask_loss,
     )
     model = load_model(ckpt, pc)
     result = Evaluator(model, pc, "1f1b", data).evaluate()

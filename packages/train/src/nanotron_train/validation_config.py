@@ -1,7 +1,7 @@
 """Config of held-out evaluation: the `validation` section and Nanotron's `tokens` keys for it.
 
 - `validation.dataset`: a separate Nanoset folder or blend, with the keys of
-  `data_stages[].data.dataset` (`dataset_folder`, `dataset_weights`);
+  `data_stages[].data.dataset` (`dataset_folder`, `dataset_weights`, `eod_mask_loss`);
 - `validation.split`: the fraction of documents of every training folder held out instead;
 - `tokens.val_check_interval` (Nanotron): steps between evaluations; -1 = only at the end;
 - `tokens.limit_val_batches` (Nanotron): validation batches (global batches) per evaluation;
@@ -97,11 +97,12 @@ def validate_validation(cfg: Config, source: str) -> None:
     )
     defaults = DatasetSpec()
     for f in dataclasses.fields(DatasetSpec):
-        if f.name in ("dataset_folder", "dataset_weights"):
+        if f.name in ("dataset_folder", "dataset_weights", "eod_mask_loss"):
             continue
         _check(
             getattr(spec, f.name) == getattr(defaults, f.name),
             f"validation.dataset.{f.name}",
-            "is not used by validation (only dataset_folder and dataset_weights are)",
+            "is not used by validation (only dataset_folder, dataset_weights and eod_mask_loss "
+            "are)",
             source,
         )

@@ -176,6 +176,16 @@ def keep_first_tokens(ns, n: int) -> None:
         ns.tokens = ns.tokens.head(n) if isinstance(ns.tokens, _ConcatTokens) else ns.tokens[:n]
 
 
+def eod_label_mask(doc_ends: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """eod_mask_loss: the label mask [len(starts), length] of the windows beginning at stream
+    offsets `starts`: False at label position t when input token t is the last of a document
+    (its target opens the next one). In our folders that token is the EOS after each document."""
+    ends = starts[:, None] + np.arange(1, length + 1)[None, :]  # a document ending at t ends here
+    found = np.searchsorted(doc_ends, ends)
+    last = len(doc_ends) - 1
+    return ~((found <= last) & (np.asarray(doc_ends)[np.minimum(found, last)] == ends))
+
+
 def positions(doc_ends: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
     """Position ids [len(starts), length] that restart at 0 at each document start, for the
     windows of `length` tokens beginning at stream offsets `starts` (return_positions)."""

@@ -40,6 +40,8 @@ def part_of(ns, start: int, end: int, part: str):
     view = copy.copy(ns)
     view.tokens = _token_range(ns.tokens, start, end)
     view.part = part
+    ends = np.asarray(ns.doc_ends)  # the part's own document ends (eod_mask_loss, positions)
+    view._doc_ends = ends[(ends > start) & (ends <= end)] - start
     return view
 
 

@@ -40,6 +40,9 @@ class DatasetSpec:
     dataset_max_tokens: list[int] | None = None  # use only the first N tokens of each folder
     shuffle_files: bool = False
     use_old_brrr_dataloader: bool = False
+    # Either kind (ours): true drops from the loss the label after each document's last token
+    # (the first token of the next document), as Megatron-LM's --eod-mask-loss.
+    eod_mask_loss: bool = False
     # Raw local data
     hf_dataset_or_datasets: str | None = None  # local files/folder, tokenized on first use
     hf_dataset_splits: str | list[str] | None = None  # "train" (Nanotron's default) or a list

@@ -7,9 +7,10 @@ slice [r*mbs*accum, (r+1)*mbs*accum) of it, cut into accum micro-batches of mbs.
 batch is the same whatever dp is, and the position is just the consumed-sample count (plus the
 blend's per-dataset counts), which is what ``state_dict`` holds.
 
-Label mask across documents (``mask_across_documents``): label position t is masked when the
-input token at t is EOS, i.e. when its target is the first token of the next document. The
-prediction of EOS itself (a document's end) is kept.
+Label mask at document boundaries (the stage's ``dataset.eod_mask_loss``): label position t
+is masked when input token t is the last of a document (the EOS our tokenizer appends), i.e.
+when its target is the first token of the next document. The prediction of EOS itself (a
+document's end) is kept. Off by default: every label counts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import numpy as np
 
 from nanotron_train.data.blend import blend_counts_at, blend_draw
 from nanotron_train.data.cache import cached_nanoset
-from nanotron_train.data.datatrove import keep_first_tokens, open_tokenized_folder, positions
+from nanotron_train.data.datatrove import (
+    eod_label_mask,
+    keep_first_tokens,
+    open_tokenized_folder,
+    positions,
+)
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.nanoset import Nanoset
 from nanotron_train.data.sampler import ShuffledSamples
@@ -61,7 +67,6 @@ class TrainData:
         tokenizer_path: str | None,
         cache_dir: str,
         model_vocab_size: int,
-        mask_across_documents: bool = False,
         validation_split: float | None = None,
         barrier: Callable[[], None] | None = None,
         is_builder: bool = True,
@@ -82,7 +87,6 @@ class TrainData:
         self.accum = batch_accumulation_per_replica
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.global_batch_size = micro_batch_size * batch_accumulation_per_replica * dp_size
-        self.mask_across_documents = mask_across_documents
         self.validation_split = validation_split
         # folder -> its held-out validation part (validation.split), each folder once
         self.held_out: dict[str, Nanoset] = {}
@@ -236,9 +240,12 @@ class TrainData:
                 f"{stage.nanosets[d].folder}: sample {sample} holds token id "
                 f"{int(tokens[row].max())}, outside the model's vocab_size {self.model_vocab_size}"
             )
-        if self.mask_across_documents:
-            eos = np.asarray([stage.nanosets[d].eos_token_id for d, _ in picks])[:, None]
-            mask = tokens[:, :-1] != eos
+        if stage.spec.dataset.eod_mask_loss:
+            mask = np.empty((len(picks), S), dtype=bool)
+            for d in {d for d, _ in picks}:
+                rows = [r for r, (dd, _) in enumerate(picks) if dd == d]
+                starts = np.asarray([picks[r][1] * S for r in rows], dtype=np.int64)
+                mask[rows] = eod_label_mask(stage.nanosets[d].doc_ends, starts, S)
             label_mask = torch.from_numpy(mask)
         else:
             label_mask = torch.ones((len(picks), S), dtype=torch.bool)

@@ -16,7 +16,8 @@ batch_accumulation_per_replica * dp`` samples); ``tokens.limit_val_batches`` = B
 first B of them (0: the whole set). Batch b is samples [b*G, (b+1)*G) of the order and dp rank
 r takes its contiguous slice, cut into micro-batches as in training, so the samples measured do
 not depend on dp, tp or pp. The last batch is completed with padding rows whose label mask is
-all false: they weigh nothing in the token-weighted mean.
+all false: they weigh nothing in the token-weighted mean. With ``eod_mask_loss`` the labels
+after each document's last token are masked too, as in training (train_data.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 import numpy as np
 
 from nanotron_train.data.blend import blend_draw
+from nanotron_train.data.datatrove import eod_label_mask
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.nanoset import Nanoset
 from nanotron_train.data.sampler import ShuffledSamples
@@ -45,7 +47,7 @@ class ValidationData:
         dp_rank: int,
         dp_size: int,
         limit_batches: int = 0,
-        mask_across_documents: bool = False,
+        eod_mask_loss: bool = False,
     ) -> None:
         if not nanosets:
             raise DataError("validation: no dataset to evaluate on")
@@ -56,7 +58,7 @@ class ValidationData:
         self.mbs, self.accum = micro_batch_size, batch_accumulation_per_replica
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.global_batch_size = micro_batch_size * batch_accumulation_per_replica * dp_size
-        self.mask_across_documents = mask_across_documents
+        self.eod_mask_loss = eod_mask_loss
         sizes = [ns.num_samples(S) for ns in nanosets]
         for ns, n in zip(nanosets, sizes):
             if n < 1:
@@ -105,7 +107,10 @@ class ValidationData:
             ns = self.nanosets[self._dataset[row]]
             start = int(self._sample[row]) * S
             tokens[i] = ns.tokens[start : start + S + 1]
-            mask[i] = tokens[i, :-1] != ns.eos_token_id if self.mask_across_documents else True
+            if self.eod_mask_loss:
+                mask[i] = eod_label_mask(ns.doc_ends, np.asarray([start]), S)[0]
+            else:
+                mask[i] = True
         return {
             "input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
             "label_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])),
