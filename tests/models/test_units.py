@@ -9,6 +9,7 @@ import torch
 from models_helpers import LLAMA3_SCALING, hf_model, tiny_config
 
 from nanotron_models import (
+    build_llama,
     llama_block_costs,
     llama_block_names,
     llama_block_specs,
@@ -17,6 +18,7 @@ from nanotron_models import (
     training_flops_per_token,
 )
 from nanotron_models.attention import attention
+from nanotron_models.blocks import _SwiGLUFunction
 from nanotron_models.hf import config_to_hf
 from nanotron_models.rotary import RotaryTable, rope_inv_freq
 
@@ -112,3 +114,45 @@ def test_sdpa_gqa_with_cached_prefix_equals_naive():
     scores = scores.masked_fill(~allowed, float("-inf"))
     naive = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), vv)
     torch.testing.assert_close(out, naive, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_loss_and_swiglu_match_the_plain_model(pc1, tie):
+    """The default model (fused lm_head + loss, SwiGLU Function) against the same weights with
+    the logits materialised and the MLP in plain ops: loss, z-loss and every gradient within
+    1e-6 (the SwiGLU alone: bitwise), masked labels, under grad and no_grad."""
+    import torch.nn.functional as F
+
+    config = tiny_config(tie, z_loss_enabled=True, z_loss_coefficient=0.01)
+    fused = build_llama(config, pc1, seed=3)
+    plain = build_llama(config, pc1, seed=3)
+    plain.set_fused_loss(False)
+    gate_up = torch.randn(5, 2, 2 * config.intermediate_size, requires_grad=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    want.square().sum().backward()
+    want_grad, gate_up.grad = gate_up.grad, None
+    swiglu = _SwiGLUFunction.apply(gate_up)
+    swiglu.square().sum().backward()
+    assert torch.equal(swiglu, want) and torch.equal(gate_up.grad, want_grad)
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (2, 13), generator=gen)
+    batch = {"input_ids": ids[:, :-1], "label_ids": ids[:, 1:],
+             "label_mask": torch.rand(2, 12, generator=gen) > 0.3}  # fmt: skip
+    results = []
+    for model in (fused, plain):
+        loss = model(None, batch)
+        loss.backward()
+        with torch.no_grad():
+            eval_loss = model(None, batch)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results.append((loss.detach(), eval_loss, model.loss.z_loss_sum, grads))
+    assert fused.fused_loss and not plain.fused_loss
+    (loss, eval_loss, z, grads), (loss0, eval0, z0, grads0) = results
+    assert float(z0) > 0 and not eval_loss.requires_grad
+    for got, ref in ((loss, loss0), (eval_loss, eval0), (z, z0)):
+        assert torch.allclose(got, ref, rtol=1e-6, atol=0), (got, ref)
+    for name, ref in grads0.items():
+        err = (grads[name] - ref).abs().max() / ref.abs().max()
+        assert err < 1e-6, (name, float(err))
