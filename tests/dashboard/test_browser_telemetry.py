@@ -110,6 +110,14 @@ def test_run_page_draws_the_parallel_views(browser, seeded, shots):
         hot, cool = cell(3, j), cell(0, j)
         assert hot[0] > 180 and hot[2] < 100, hot  # red
         assert cool[2] > 150 and cool[0] < 120, cool  # blue
+    # relative to each interval's median: the straggler at ~2x, the others at ~1x
+    page.check("#heat-relative")
+    page.wait_for_function("() => window.__nt.heatmap.relative")
+    geo = page.evaluate("() => window.__nt.heatmap")
+    assert 0.98 < geo["lo"] < 1.0 and 2.0 < geo["hi"] < 2.05, geo
+    hot, cool = cell(3, 5), cell(1, 5)
+    assert hot[0] > 180 and hot[2] < 100 and cool[2] > 150 and cool[0] < 120, (hot, cool)
+    assert "x the interval's median" in page.locator("#heat-legend").inner_text()
     banner = page.locator("#straggler").inner_text()
     assert "Straggler: rank 3 (dp=1 tp=1 pp=0, host node-b)" in banner and "at step 50" in banner
 

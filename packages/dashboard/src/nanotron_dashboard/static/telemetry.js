@@ -63,13 +63,22 @@ const NTT = (() => {
       .map((e) => e.details.rank));
   }
 
+  function byMedian(col) {
+    const vals = col.filter((v) => v !== null).sort((a, b) => a - b);
+    const n = vals.length, m = n ? (n % 2 ? vals[(n - 1) / 2] : (vals[n / 2 - 1] + vals[n / 2]) / 2) : 0;
+    return col.map((v) => (v === null || !(m > 0) ? null : v / m));
+  }
+
   function drawHeat() {
     const el = $("heatmap");
     const empty = !view.heat || !view.heat.h.steps.length;
     $("ranks-section").hidden = empty;
     if (empty) return;
     const { h, field } = view.heat;
-    const grid = h.values[field];  // [interval][rank]
+    const relative = $("heat-relative").checked;
+    // [interval][rank]; relative: each value over its interval's median, so that a rank
+    // slower than the others stands out even while the whole run speeds up or slows down
+    const grid = relative ? h.values[field].map(byMedian) : h.values[field];
     const ranks = h.ranks.slice(0, MAX_ROWS);
     const left = 230, top = 8, bottom = 24;
     const cellH = Math.max(1, Math.min(18, Math.floor(480 / ranks.length)));
@@ -96,9 +105,10 @@ const NTT = (() => {
     for (let j = 0; j < h.steps.length; j += tickEvery) {  // a label per ~60 px of columns
       g.fillText(String(h.steps[j]), left + j * cellW, top + ranks.length * cellH + 6);
     }
-    $("heat-legend").textContent = FIELDS[field] + ": " + (lo === Infinity ? "no values" : NT.num(lo) + " (blue) .. " + NT.num(hi) + " (red)") +
+    const unit = relative ? "x the interval's median" : "";
+    $("heat-legend").textContent = FIELDS[field] + ": " + (lo === Infinity ? "no values" : NT.num(lo) + unit + " (blue) .. " + NT.num(hi) + unit + " (red)") +
       " · " + h.steps.length + " of " + h.total + " intervals" + (h.ranks.length > MAX_ROWS ? " · first " + MAX_ROWS + " ranks" : "");
-    view.heatGeom = { left, top, cellW, cellH, dpr, steps: h.steps, rows: ranks.map((r) => r.rank), field, lo, hi };
+    view.heatGeom = { left, top, cellW, cellH, dpr, steps: h.steps, rows: ranks.map((r) => r.rank), field, lo, hi, relative };
     ctx.state.heatmap = view.heatGeom;
   }
 
@@ -259,6 +269,7 @@ const NTT = (() => {
     ctx = c;
     $("heat-field").replaceChildren(...Object.entries(FIELDS).map(([k, v]) => NT.el("option", { value: k }, v)));
     $("heat-field").addEventListener("change", loadHeat);
+    $("heat-relative").addEventListener("change", drawHeat);
     $("heatmap").addEventListener("mousemove", heatTip);
     $("tl-step").addEventListener("change", loadTimeline);
     $("sample-step").addEventListener("change", showSamples);
