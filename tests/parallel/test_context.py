@@ -1,4 +1,6 @@
-"""ParallelContext: the rank grid (pure), bad input, and real gloo groups in 1, 4 and 8 processes."""
+"""ParallelContext: the rank grid (pure), bad input, and real gloo groups in 1, 4 and 8 processes.
+
+Layouts are (dp, tp, pp, cp): the grid is (pp, dp, cp, tp), tp fastest."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from nanotron_parallel import (
 from nanotron_parallel.testing import run_distributed
 
 LAYOUTS = [
-    (dp, tp, pp) for dp, tp, pp in itertools.product(range(1, 9), repeat=3) if dp * tp * pp <= 8
+    (dp, tp, pp, cp)
+    for dp, tp, pp, cp in itertools.product(range(1, 9), repeat=4)
+    if dp * tp * pp * cp <= 8
 ]
 TORCHRUN_ENV = (
     "RANK",
@@ -31,44 +35,56 @@ TORCHRUN_ENV = (
 )
 
 
-def _expected_groups(rank: int, dp: int, tp: int, pp: int) -> dict[str, list[int]]:
-    """Members of each group of `rank`, written from the definition, not from the code."""
-    d, t, p = rank // tp % dp, rank % tp, rank // (tp * dp)
+KINDS = ("tp", "dp", "pp", "mp", "cp", "dp_cp")
 
-    def at(dd: int, tt: int, ppp: int) -> int:
-        return ppp * dp * tp + dd * tp + tt
+
+def _expected_groups(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[int]]:
+    """Members of each group of `rank`, written from the definition, not from the code."""
+    t, c, d, p = rank % tp, rank // tp % cp, rank // (tp * cp) % dp, rank // (tp * cp * dp)
+
+    def at(dd: int, tt: int, ppp: int, cc: int) -> int:
+        return ppp * dp * cp * tp + dd * cp * tp + cc * tp + tt
 
     return {
-        "tp": [at(d, x, p) for x in range(tp)],
-        "dp": [at(x, t, p) for x in range(dp)],
-        "pp": [at(d, t, x) for x in range(pp)],
-        "mp": sorted(at(d, tt, pp_) for pp_ in range(pp) for tt in range(tp)),
+        "tp": [at(d, x, p, c) for x in range(tp)],
+        "dp": [at(x, t, p, c) for x in range(dp)],
+        "pp": [at(d, t, x, c) for x in range(pp)],
+        "mp": sorted(at(d, tt, pp_, c) for pp_ in range(pp) for tt in range(tp)),
+        "cp": [at(d, t, p, x) for x in range(cp)],
+        "dp_cp": sorted(at(dd, t, p, cc) for dd in range(dp) for cc in range(cp)),
     }
 
 
-@pytest.mark.parametrize("dp,tp,pp", LAYOUTS)
-def test_rank_grid_and_groups_for_every_layout(dp: int, tp: int, pp: int) -> None:
-    world = dp * tp * pp
-    grid = rank_grid(dp, tp, pp)
-    assert sorted(r for plane in grid for row in plane for r in row) == list(range(world))
-    lists = group_rank_lists(dp, tp, pp)
-    assert [len(lists[k]) for k in ("tp", "dp", "pp", "mp")] == [dp * pp, tp * pp, dp * tp, dp]
+@pytest.mark.parametrize("dp,tp,pp,cp", LAYOUTS)
+def test_rank_grid_and_groups_for_every_layout(dp: int, tp: int, pp: int, cp: int) -> None:
+    world = dp * tp * pp * cp
+    grid = rank_grid(dp, tp, pp, cp)
+    flat = [r for plane in grid for row in plane for chunk in row for r in chunk]
+    assert sorted(flat) == list(range(world))
+    lists = group_rank_lists(dp, tp, pp, cp)
+    sizes = [dp * pp * cp, tp * pp * cp, dp * tp * cp, dp * cp, dp * pp * tp, pp * tp]
+    assert [len(lists[k]) for k in KINDS] == sizes
     for kind, groups in lists.items():
         # Each kind partitions the world.
         assert sorted(r for g in groups for r in g) == list(range(world)), kind
     for rank in range(world):
-        d, t, p = grid_coords(rank, dp, tp, pp)
-        assert grid[p][d][t] == rank
-        assert rank == p * dp * tp + d * tp + t
-        expected = _expected_groups(rank, dp, tp, pp)
-        for kind in ("tp", "dp", "pp", "mp"):
+        d, t, p, c = grid_coords(rank, dp, tp, pp, cp)
+        assert grid[p][d][c][t] == rank
+        assert rank == p * dp * cp * tp + d * cp * tp + c * tp + t
+        expected = _expected_groups(rank, dp, tp, pp, cp)
+        for kind in KINDS:
             holding = [g for g in lists[kind] if rank in g]
             assert holding == [expected[kind]], (kind, rank)
 
 
 def test_rank_grid_small_example() -> None:
-    assert rank_grid(2, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert grid_coords(5, 2, 2, 2) == (0, 1, 1)
+    assert rank_grid(2, 2, 2) == [[[[0, 1]], [[2, 3]]], [[[4, 5]], [[6, 7]]]]
+    assert grid_coords(5, 2, 2, 2) == (0, 1, 1, 0)
+    # cp sits between dp and tp: (pp=1, dp=2, cp=2, tp=2)
+    assert rank_grid(2, 2, 1, cp=2) == [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]
+    assert grid_coords(6, 2, 2, 1, cp=2) == (1, 0, 0, 1)
+    assert group_rank_lists(2, 1, 1, cp=2)["dp_cp"] == [[0, 1, 2, 3]]
+    assert group_rank_lists(2, 1, 1, cp=2)["cp"] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize(
@@ -78,6 +94,8 @@ def test_rank_grid_small_example() -> None:
         ({"tp": -2}, "tp=-2"),
         ({"pp": 1.5}, "pp=1.5"),
         ({"dp": 2, "tp": 2}, "dp=2 * tp=2 * pp=1 = 4, but world_size=1"),
+        ({"cp": 0}, "cp=0"),
+        ({"cp": 2}, "dp*cp*tp*pp must equal the world size: dp=1 * cp=2 * tp=1 * pp=1 = 2"),
     ],
 )
 def test_bad_degrees_raise_before_any_group(
@@ -143,8 +161,9 @@ def test_world_of_one_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
             "gloo",
             torch.device("cpu"),
         )
-        assert (pc.dp_rank, pc.tp_rank, pc.pp_rank) == (0, 0, 0)
+        assert (pc.dp_rank, pc.tp_rank, pc.pp_rank, pc.cp_rank) == (0, 0, 0, 0)
         assert pc.tp_ranks == pc.dp_ranks == pc.pp_ranks == pc.mp_ranks == [0]
+        assert pc.cp_ranks == pc.dp_cp_ranks == [0] and (pc.cp_size, pc.dp_cp_size) == (1, 1)
         assert pc.is_first_stage and pc.is_last_stage
         assert pc.prev_stage_rank is None and pc.next_stage_rank is None
         x = torch.tensor([3.0])
@@ -160,36 +179,41 @@ def test_world_of_one_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _group_info(pc: ParallelContext) -> dict:
     sums = {}
-    for kind in ("tp", "dp", "pp", "mp"):
+    for kind in KINDS:
         x = torch.tensor([float(pc.rank)])
         dist.all_reduce(x, group=getattr(pc, f"{kind}_group"))
         sums[kind] = x.item()
     return {
         "rank": pc.rank,
-        "coords": (pc.dp_rank, pc.tp_rank, pc.pp_rank),
-        "groups": {k: list(getattr(pc, f"{k}_ranks")) for k in ("tp", "dp", "pp", "mp")},
+        "coords": (pc.dp_rank, pc.tp_rank, pc.pp_rank, pc.cp_rank),
+        "dp_cp_rank": pc.dp_cp_rank,
+        "groups": {k: list(getattr(pc, f"{k}_ranks")) for k in KINDS},
         "sums": sums,
         "stages": (pc.prev_stage_rank, pc.next_stage_rank, pc.is_first_stage, pc.is_last_stage),
     }
 
 
-def grid_worker(layouts: list[tuple[int, int, int]]) -> dict:
+def grid_worker(layouts: list[tuple[int, int, int, int]]) -> dict:
     """Each layout over one default group; every rank sees every rank's view via all_gather."""
-    base = ParallelContext(dp=layouts[0][0], tp=layouts[0][1], pp=layouts[0][2])
+    dp0, tp0, pp0, cp0 = layouts[0]
+    base = ParallelContext(dp=dp0, tp=tp0, pp=pp0, cp=cp0)
     world = base.world_size
     out: dict = {"layouts": {}}
-    for dp, tp, pp in layouts:
-        pc = base if (dp, tp, pp) == layouts[0] else ParallelContext(dp, tp, pp)
+    for dp, tp, pp, cp in layouts:
+        pc = base if (dp, tp, pp, cp) == layouts[0] else ParallelContext(dp, tp, pp, cp=cp)
         views: list = [None] * world
         dist.all_gather_object(views, _group_info(pc))
         # Ranks that share a group must agree on its members.
-        for kind in ("tp", "dp", "pp", "mp"):
+        for kind in KINDS:
             for view in views:
                 for member in view["groups"][kind]:
                     assert views[member]["groups"][kind] == view["groups"][kind], (kind, view)
-        # A tied group between the first and last stage of each (dp, tp) pair.
+        # A tied group between the first and last stage of each (dp, cp, tp) triple.
         pairs = [
-            [pc.rank_of(d, t, 0), pc.rank_of(d, t, pp - 1)] for d in range(dp) for t in range(tp)
+            [pc.rank_of(d, t, 0, c), pc.rank_of(d, t, pp - 1, c)]
+            for d in range(dp)
+            for c in range(cp)
+            for t in range(tp)
         ]
         pairs = [sorted(set(p)) for p in pairs]
         tied = pc.new_groups(pairs)
@@ -200,7 +224,7 @@ def grid_worker(layouts: list[tuple[int, int, int]]) -> dict:
             assert x.item() == float(sum(mine[0])), (x.item(), mine)
         else:
             assert tied is None  # a middle stage is in no tied group
-        out["layouts"][(dp, tp, pp)] = views
+        out["layouts"][(dp, tp, pp, cp)] = views
         if pc is not base:
             pc.destroy()
             assert dist.is_initialized()  # not its default group to destroy
@@ -211,7 +235,7 @@ def grid_worker(layouts: list[tuple[int, int, int]]) -> dict:
     return out
 
 
-def _check_grid_results(results: list[dict], layouts: list[tuple[int, int, int]]) -> None:
+def _check_grid_results(results: list[dict], layouts: list[tuple[int, int, int, int]]) -> None:
     world = len(results)
     for rank, res in enumerate(results):
         assert res["destroyed"] is True
@@ -221,26 +245,30 @@ def _check_grid_results(results: list[dict], layouts: list[tuple[int, int, int]]
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == str(world)
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
         assert res["threads"] == 1
-        for dp, tp, pp in layouts:
-            views = res["layouts"][(dp, tp, pp)]
-            assert views == results[0]["layouts"][(dp, tp, pp)]  # every rank saw the same
+        for layout in layouts:
+            dp, tp, pp, cp = layout
+            views = res["layouts"][layout]
+            assert views == results[0]["layouts"][layout]  # every rank saw the same
             for q, view in enumerate(views):
                 assert view["rank"] == q
-                assert view["coords"] == grid_coords(q, dp, tp, pp)
-                expected = _expected_groups(q, dp, tp, pp)
+                assert view["coords"] == grid_coords(q, dp, tp, pp, cp)
+                expected = _expected_groups(q, dp, tp, pp, cp)
                 assert view["groups"] == expected
                 assert view["sums"] == {k: float(sum(v)) for k, v in expected.items()}
-                d, t, p = view["coords"]
-                prev = None if p == 0 else q - dp * tp
-                nxt = None if p == pp - 1 else q + dp * tp
+                d, t, p, c = view["coords"]
+                assert view["dp_cp_rank"] == expected["dp_cp"].index(q) == d * cp + c
+                prev = None if p == 0 else q - dp * cp * tp
+                nxt = None if p == pp - 1 else q + dp * cp * tp
                 assert view["stages"] == (prev, nxt, p == 0, p == pp - 1)
 
 
 def test_groups_in_eight_processes() -> None:
-    layouts = [(2, 2, 2), (1, 2, 4), (4, 1, 2), (1, 8, 1), (8, 1, 1), (1, 1, 8)]
+    layouts = [(2, 2, 2, 1), (1, 2, 4, 1), (4, 1, 2, 1), (1, 8, 1, 1), (8, 1, 1, 1), (1, 1, 8, 1),
+               (2, 1, 2, 2), (1, 2, 1, 4)]  # fmt: skip
     _check_grid_results(run_distributed(grid_worker, 8, layouts, timeout=300), layouts)
 
 
 def test_groups_in_four_processes() -> None:
-    layouts = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1), (1, 4, 1), (1, 1, 4)]
+    layouts = [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1), (4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1),
+               (1, 2, 1, 2), (1, 1, 2, 2)]  # fmt: skip
     _check_grid_results(run_distributed(grid_worker, 4, layouts, timeout=240), layouts)

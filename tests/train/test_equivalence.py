@@ -94,6 +94,7 @@ def layout_config(layout: dict) -> dict:
     cfg = base_config(layout.get("tied", True), layout.get("kv_heads", 2))
     par = cfg["parallelism"]
     par.update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+    par["context_parallel_size"] = layout.get("cp", 1)
     par["pp_engine"] = layout.get("engine", "1f1b")
     par["tp_mode"] = layout.get("mode", "ALL_REDUCE")
     cfg["tokens"]["batch_accumulation_per_replica"] = 4 // layout["dp"]
@@ -121,7 +122,7 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
             cfg = config_from_dict(layout_config(layout), "test", world_size=None)
             pc = ParallelContext(
                 dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                tensor_collectives=layout.get("tensor_collectives"),
+                tensor_collectives=layout.get("tensor_collectives"), cp=layout.get("cp", 1),
             )  # fmt: skip
             try:
                 trainer = Trainer(cfg, pc, stream=io.StringIO())

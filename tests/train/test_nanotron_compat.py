@@ -78,7 +78,6 @@ REFUSALS = {
     "lighteval": {"eval_interval": 10},
     "s3_upload": {"upload_s3_path": "s3://bucket/run", "remove_after_upload": True},
     "parallelism.expert_parallel_size": 2,
-    "parallelism.context_parallel_size": 2,
     "model.init_method.use_mup": True,
     "tokenizer.tokenizer_max_length": 2048,
     "data_stages.data.dataset.hf_dataset_config_name": "en",
@@ -600,3 +599,47 @@ def test_nanotron_defaults_and_attention_names():
         config_from_dict(data, "ex.yaml", world_size=8).model.model_config.attention_backend
         == "auto"
     )
+
+
+def test_nanotron_context_parallel_config_loads_with_its_meaning():
+    """Nanotron's long-context settings (context_parallel_size with llama3_ring_attention) are
+    accepted: the world is dp*cp*tp*pp, and the attention is the all-gather one."""
+    data = example()
+    data["parallelism"]["context_parallel_size"] = 2
+    data["model"]["model_config"]["_attn_implementation"] = "llama3_ring_attention"
+    cfg = config_from_dict(data, "ex.yaml", world_size=16)
+    assert cfg.parallelism.context_parallel_size == 2
+    assert cfg.global_batch_size == 2 * 1 * 2  # cp ranks share sequences, not samples
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data, "ex.yaml", world_size=8)
+    assert str(err.value) == (
+        "ex.yaml: parallelism: dp*cp*tp*pp = 2*2*2*2 = 16 but the world size is 8"
+    )
+
+
+@pytest.mark.parametrize(
+    "changes, key, expect",
+    [
+        ({"context_parallel_size": 0}, "parallelism.context_parallel_size", "must be >= 1, got 0"),
+        (
+            {"context_parallel_size": 3},
+            "data_stages.0.sequence_length",
+            "256 must be divisible by 2*context_parallel_size = 6 (context parallel cuts every "
+            "sequence into 2*cp equal chunks)",
+        ),
+        (
+            {"context_parallel_size": 2, "tp": 4, "sequence_length": 20},
+            "data_stages.0.sequence_length",
+            "20 must be divisible by context_parallel_size * tp = 8 in REDUCE_SCATTER mode "
+            "(each cp rank's 10 tokens are split over tp)",
+        ),
+    ],
+)
+def test_context_parallel_combinations_refused_in_one_line(changes, key, expect):
+    data = example()
+    if "sequence_length" in changes:
+        data["data_stages"][0]["sequence_length"] = changes.pop("sequence_length")
+    data["parallelism"].update(changes)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data, "ex.yaml")
+    assert str(err.value) == f"ex.yaml: {key}: {expect}"

@@ -8,11 +8,14 @@ argument (used by `LlamaStage.logits`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanotron_parallel.context_parallel import LABEL_COUNT_KEY, context_parallel_attention
 from nanotron_parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -114,6 +117,12 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             c.num_attention_heads * d, h, group, mode, bias=bias, device=device, dtype=dtype
         )
+        self.cp_group, self.cp_size, self.cp_native = None, 1, None
+
+    def set_context_parallel(self, group, size: int, native_reduce_scatter: bool | None) -> None:
+        """Hold 1/cp of every sequence (the layout of nanotron_parallel.context_parallel):
+        keys and values are gathered over `group` (cp ranks), positions are global."""
+        self.cp_group, self.cp_size, self.cp_native = group, size, native_reduce_scatter
 
     def forward(
         self,
@@ -131,7 +140,9 @@ class Attention(nn.Module):
             cos, sin = self.rotary.cos_sin(position_ids, x.device, x.dtype, offset + s)
             cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         else:  # [b, s] -> cos/sin [s, b, 1, d]
-            cos, sin = self.rotary.cos_sin(position_ids.transpose(0, 1), x.device, x.dtype)
+            # Under cp every position is below the whole sequence's length: no host read.
+            length = s * self.cp_size if self.cp_size > 1 else None
+            cos, sin = self.rotary.cos_sin(position_ids.transpose(0, 1), x.device, x.dtype, length)
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         # One rotation for q and k together: they are adjacent in the fused projection.
         # (split, not slicing: its backward is one concatenation instead of zero-fills + adds)
@@ -140,7 +151,11 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         backend = resolve_backend(self.backend, x.device)
-        out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
+        if self.cp_size > 1 and kv_cache is None and key_mask is None:
+            kernel = functools.partial(attention, backend=backend)
+            out = context_parallel_attention(q, k, v, self.cp_group, kernel, self.cp_native)
+        else:
+            out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
         return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))
 
 
@@ -226,6 +241,10 @@ class Loss(nn.Module):
     With a z-loss coefficient the mean includes the z-loss, and `z_loss_sum` accumulates its
     detached mean per micro-batch on the device (no host sync) for the trainer to log.
     `from_hidden` computes the same from the lm_head's input, never holding the full logits.
+
+    Under context parallelism (`cp_size` > 1) this rank holds 1/cp of each sequence: its loss
+    is cp * (its token losses) / (labelled tokens of the whole micro-batch, `label_count`), so
+    the mean over the cp ranks is the micro-batch's mean (nanotron_parallel.context_parallel).
     """
 
     def __init__(self, vocab_size: int, group, z_loss_coefficient: float = 0.0):
@@ -233,6 +252,13 @@ class Loss(nn.Module):
         self.vocab_size, self.group = vocab_size, group
         self.z_loss_coefficient = z_loss_coefficient
         self.z_loss_sum: torch.Tensor | None = None
+        self.cp_size = 1
+
+    def _count(self, mask: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The divisor of a token-weighted mean (times 1/cp under context parallelism)."""
+        if self.cp_size == 1:
+            return mask.sum().clamp(min=1.0)
+        return batch[LABEL_COUNT_KEY].clamp(min=1.0) / self.cp_size
 
     def from_hidden(self, x: torch.Tensor, batch: Batch, head: LMHead) -> torch.Tensor:
         """The loss of `head(x)`, with the lm_head matmul fused into the cross-entropy
@@ -241,7 +267,7 @@ class Loss(nn.Module):
         hidden = head.replicated_input(x)  # [s, b, h], as the lm_head multiplies it
         labels = batch["label_ids"].transpose(0, 1).flatten()
         mask = batch["label_mask"].transpose(0, 1).flatten().to(torch.float32)
-        token_weights = mask / mask.sum().clamp(min=1.0)
+        token_weights = mask / self._count(mask, batch)
         loss, z_mean = vocab_parallel_linear_cross_entropy(
             hidden.flatten(0, 1),
             head.weight,
@@ -262,7 +288,7 @@ class Loss(nn.Module):
             per_token, z_loss = vocab_parallel_cross_entropy_with_z_loss(
                 logits, labels, self.group, self.vocab_size, self.z_loss_coefficient
             )
-            count = mask.sum().clamp(min=1.0)
+            count = self._count(mask, batch)
             z_mean = (z_loss * mask).sum() / count
             self.z_loss_sum = z_mean if self.z_loss_sum is None else self.z_loss_sum + z_mean
             return (per_token * mask).sum() / count
@@ -272,7 +298,7 @@ class Loss(nn.Module):
             per_token = flat.view_as(mask)
         else:
             per_token = vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_size)
-        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)
+        return (per_token.float() * mask).sum() / self._count(mask, batch)
 
 
 def linear_mode(mode: str | TensorParallelLinearMode) -> TensorParallelLinearMode:

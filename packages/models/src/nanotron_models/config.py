@@ -13,7 +13,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 ATTN_BACKENDS = ("auto", "sdpa", "flash_attn")
 # Nanotron's `_attn_implementation` values -> our backends; the others are refused.
-NANOTRON_ATTENTION = {"flash_attention_2": "flash_attn", "sdpa": "sdpa", None: "auto"}
+# llama3_ring_attention is Nanotron's context-parallel attention: an all-gather of keys and
+# values as in the Llama 3 paper over flash-attn, which is what context parallel does here.
+NANOTRON_ATTENTION = {
+    "flash_attention_2": "flash_attn",
+    "llama3_ring_attention": "flash_attn",
+    "sdpa": "sdpa",
+    None: "auto",
+}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -174,8 +181,9 @@ class LlamaConfig:
         if self._attn_implementation not in NANOTRON_ATTENTION:
             raise ModelConfigError(
                 f"model_config._attn_implementation {self._attn_implementation!r} asks for an "
-                "attention kernel this project does not have (flex and ring attention are "
-                "context-parallel features): use flash_attention_2, sdpa or null"
+                "attention kernel this project does not have: use flash_attention_2, sdpa, "
+                "null, or llama3_ring_attention (the context-parallel attention here, Llama 3's "
+                "all-gather of keys and values; ring and flex attention are not implemented)"
             )
         if self.z_loss_coefficient < 0:
             raise ModelConfigError(

@@ -39,8 +39,9 @@ class LlamaStage(nn.Module):
     by the global layer index), `final_norm`, `lm_head`, `loss`: each only if in block_names.
 
     Options that change how, not what, the stage computes are set by methods after it is
-    built (the trainer's `parallelize` calls them): `set_tp_mode`, `set_recompute`,
-    `compile_layers`, `set_fused_loss`. Parameter names stay the same whatever is applied.
+    built (the trainer's `parallelize` calls them): `set_tp_mode`, `set_context_parallel`,
+    `set_recompute`, `compile_layers`, `set_fused_loss`. Parameter names stay the same whatever
+    is applied.
     """
 
     def __init__(
@@ -109,6 +110,18 @@ class LlamaStage(nn.Module):
                 module.set_communication(mode, tensor_collectives)
             elif isinstance(module, RMSNorm):
                 module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
+
+    def set_context_parallel(
+        self, group, size: int, native_reduce_scatter: bool | None = None
+    ) -> None:
+        """Train on 1/cp of every sequence (nanotron_parallel.context_parallel): the attention
+        of each layer gathers keys and values over the cp `group`, and the loss is this rank's
+        share of the micro-batch's token-weighted mean, times cp. The batches must be cut with
+        `context_parallel.split_batch`. Inference (`logits`) keeps whole sequences."""
+        for layer in self.decoder.values():
+            layer.attn.set_context_parallel(group, size, native_reduce_scatter)
+        if hasattr(self, "loss"):
+            self.loss.cp_size = size
 
     def set_recompute(self, enabled: bool) -> None:
         """Run each decoder layer under non-reentrant activation checkpointing: its activations

@@ -50,10 +50,11 @@ def find_tied_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 def tied_rank_lists(pc: ParallelContext) -> list[list[int]]:
-    """The tied groups of the layout: first and last stage ranks sharing dp and tp coords."""
+    """The tied groups of the layout: first and last stage ranks sharing dp, cp and tp coords."""
     return [
-        [pc.rank_of(d, t, 0), pc.rank_of(d, t, pc.pp_size - 1)]
+        [pc.rank_of(d, t, 0, c), pc.rank_of(d, t, pc.pp_size - 1, c)]
         for d in range(pc.dp_size)
+        for c in range(pc.cp_size)
         for t in range(pc.tp_size)
     ]
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanotron_models.config import ModelConfigError
 from nanotron_train.config_loader import ConfigError
+from nanotron_train.context_parallel_config import validate_context_parallel
 from nanotron_train.data.stages import HF_ONLY, NANOSET_ONLY, DatasetSpec
 from nanotron_train.fault_config import validate_fault
 from nanotron_train.perf_config import validate_perf
@@ -126,7 +127,6 @@ CHECKS: tuple[Check, ...] = (
     at_least("parallelism.tp", 1),
     at_least("parallelism.pp", 1),
     refused("parallelism.expert_parallel_size", lambda v: v == 1, _MOE_FEATURE),
-    refused("parallelism.context_parallel_size", lambda v: v == 1, "context parallelism"),
     Check(
         "parallelism.tp_linear_async_communication",
         lambda c: (
@@ -384,11 +384,15 @@ STAGE_CHECKS: tuple[Check, ...] = (
 def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
     """Run every check; the first failure is a ConfigError naming its key and `source`."""
     par = cfg.parallelism
-    if world_size is not None and par.dp * par.tp * par.pp != world_size:
+    cp = par.context_parallel_size
+    if world_size is not None and par.dp * cp * par.tp * par.pp != world_size:
+        names, values = (
+            ("dp*cp*tp*pp", f"{par.dp}*{cp}*") if cp != 1 else ("dp*tp*pp", f"{par.dp}*")
+        )
         raise ConfigError(
             "parallelism",
-            f"dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.dp * par.tp * par.pp} but the world "
-            f"size is {world_size}",
+            f"{names} = {values}{par.tp}*{par.pp} = {par.dp * cp * par.tp * par.pp} but the "
+            f"world size is {world_size}",
             source,
         )
     for check in CHECKS:
@@ -398,6 +402,7 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
         for check in STAGE_CHECKS:
             if not check.holds(cfg, stage):
                 _fail(check, source, cfg, stage, key=check.key.format(i=i))
+    validate_context_parallel(cfg, source)
     validate_perf(cfg, source)
     validate_fault(cfg, source)
     validate_validation(cfg, source)

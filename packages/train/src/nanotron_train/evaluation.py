@@ -3,7 +3,7 @@
 Every rank takes part, through the same pipeline / tp / dp machinery as training but with the
 forward-only schedule (`nanotron_parallel.pipeline.run_forward_only`): no autograd graph, no
 gradient, the model in eval mode. Each micro-batch's mean loss is weighted by its labelled
-tokens on the device, and one all-reduce over pp and one over dp at the end give every rank
+tokens on the device, and one all-reduce over pp and one over dp x cp at the end give every rank
 
     val_loss = sum of per-token losses / labelled tokens   (the whole validation set)
     val_ppl = exp(val_loss)
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotron_parallel.context_parallel import split_batch
 from nanotron_parallel.pipeline import run_forward_only
 
 
@@ -63,7 +64,10 @@ class Evaluator:
         tokens = 0.0
         try:
             for micro_batches, weights in self.data.batches():
-                on_device = [{k: v.to(pc.device) for k, v in mb.items()} for mb in micro_batches]
+                on_device = [
+                    {k: v.to(pc.device) for k, v in split_batch(mb, pc.cp_rank, pc.cp_size).items()}
+                    for mb in micro_batches
+                ]
                 part = run_forward_only(self.engine, model, on_device, pc, weights)
                 if part is not None:
                     loss_sum += part
@@ -79,8 +83,8 @@ class Evaluator:
             totals[0] = 0.0
         if pc.pp_size > 1:
             dist.all_reduce(totals, group=pc.pp_group)
-        if pc.dp_size > 1:
-            dist.all_reduce(totals, group=pc.dp_group)
+        if pc.dp_cp_size > 1:  # each cp rank counts every token and cp times its share
+            dist.all_reduce(totals, group=pc.dp_cp_group)
         total_loss, total_tokens = totals.tolist()  # the one host sync of an evaluation
         loss = total_loss / total_tokens if total_tokens > 0 else math.nan
         return ValResult(loss, perplexity(loss), int(total_tokens))

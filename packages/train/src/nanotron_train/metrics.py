@@ -325,7 +325,12 @@ def build_metrics_logger(
         name=cfg.general.run or "",
         config=cfg.to_dict(),
         world_size=pc.world_size,
-        topology={"dp": pc.dp_size, "tp": pc.tp_size, "pp": pc.pp_size},
+        topology={
+            "dp": pc.dp_size,
+            "tp": pc.tp_size,
+            "pp": pc.pp_size,
+            **({"cp": pc.cp_size} if pc.cp_size > 1 else {}),  # context parallel, when used
+        },
         checkpoints_path=ck.checkpoints_path,
         # An attempt that continues its own run (same id) is not "resumed from" another run.
         resumed_from=None

@@ -9,7 +9,10 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
    `tp_recompute_allgather` (REDUCE_SCATTER: column-parallel linears keep their input shard and
    gather it again in the backward). The loss: with `model.fused_linear_cross_entropy` (the
    default) the last stage computes lm_head and cross-entropy together, token chunk by chunk.
-   (Context parallel, issue 17, goes here: it changes attention, before anything wraps it.)
+   Context parallel (`parallelism.context_parallel_size`): each attention gathers keys and
+   values over the cp group and the loss becomes this rank's share of the sequence's mean
+   (nanotron_parallel.context_parallel); set before anything wraps the layers. The trainer
+   cuts each micro-batch into this rank's two chunks (`split_batch`).
 2. Recompute (`parallelism.recompute_layer`): each decoder layer under activation checkpointing.
 3. Compile (`model.compile`): each decoder layer compiled in place, or, with recompute on, the
    checkpointed call of each layer compiled as a whole (as TorchTitan orders them: a layer
@@ -17,7 +20,9 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
 4. Pipeline chunks: v chunks become one `StageChunks` module (tied ends re-tied when pp = 1),
    and the tied embedding / lm_head copies of the first and last stage get their group.
 5. Data parallel / ZeRO: gradient buffers and the reduction policy of `optimizer.zero_stage`
-   (`nanotron_parallel.zero.build_data_parallel`; ZeRO-2/3 add their classes there).
+   (`nanotron_parallel.zero.build_data_parallel`; ZeRO-2/3 add their classes there), over
+   the dp x cp group: parameters are replicated over cp as over dp, so their gradients are
+   averaged (and ZeRO shards) over both. With cp = 1 that group is the dp group.
 
 Nothing is patched: every step is a method of the model or an object that holds the model's
 parameters, and parameter names stay global (`decoder.3.attn.qkv.weight`) whatever is applied.
@@ -59,7 +64,7 @@ def parallelize(
     """Apply the steps of the module docstring, in order, to this rank's chunk(s)."""
     chunks = list(model) if isinstance(model, list) else [model]
     par = cfg.parallelism
-    for chunk in chunks:  # 1. tensor parallel
+    for chunk in chunks:  # 1. tensor parallel, context parallel
         chunk.set_tp_mode(
             par.tp_mode,
             par.tp_linear_async_communication,
@@ -67,6 +72,8 @@ def parallelize(
             par.tp_recompute_allgather,
         )
         chunk.set_fused_loss(cfg.model.fused_linear_cross_entropy)
+        if pc.cp_size > 1:
+            chunk.set_context_parallel(pc.cp_group, pc.cp_size, pc.tensor_collectives)
     for chunk in chunks:  # 2. recompute
         chunk.set_recompute(par.recompute_layer)
     if cfg.model.compile:  # 3. compile
@@ -78,9 +85,9 @@ def parallelize(
     grads = build_data_parallel(
         opt.zero_stage,
         list(stage.parameters()),
-        pc.dp_group,
-        pc.dp_size,
-        pc.dp_rank,
+        pc.dp_cp_group,
+        pc.dp_cp_size,
+        pc.dp_cp_rank,
         grad_dtype=torch.float32 if opt.accumulate_grad_in_fp32 else None,
         bucket_cap_mb=cfg.model.ddp_bucket_cap_mb,
         full_reduce={id(p) for g in tied.groups for p in g.params},

@@ -33,6 +33,7 @@ from nanotron_models.config import DTYPES
 from nanotron_models.flops import training_flops_per_token
 from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
 from nanotron_parallel.context import ParallelContext
+from nanotron_parallel.context_parallel import split_batch
 from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step
 from nanotron_train.benchmark_csv import append_row, benchmark_row
 from nanotron_train.checkpoints.hooks import Checkpointing
@@ -182,7 +183,10 @@ class Trainer:
         self.profiler.begin_step()
         with tm.span("data", host=True):
             micro_batches = s.data.micro_batches(step + s.data_step_offset)
-            micro_batches = [{k: v.to(pc.device) for k, v in mb.items()} for mb in micro_batches]
+            micro_batches = [  # under context parallel, this cp rank's two chunks of each sequence
+                {k: v.to(pc.device) for k, v in split_batch(mb, pc.cp_rank, pc.cp_size).items()}
+                for mb in micro_batches
+            ]
         self.grads.zero_grad()
         recorder = tm.timeline_recorder(step)  # the pipeline timeline's step, else a no-op
         with tm.span("pipeline"):
@@ -196,7 +200,7 @@ class Trainer:
                 recorder=recorder,
             )
         with tm.span("dp_wait"):
-            self.grads.finish()  # gradients are the dp mean (ZeRO-1 reduce-scatter: own chunks)
+            self.grads.finish()  # now the dp x cp mean (ZeRO-1 reduce-scatter: own chunks)
             self.tied.sync_gradients()  # sum each tied copy's gradient over first & last stage
         with tm.span("optimizer"):
             norm = global_grad_norm(self.norm_views, None, pc.device)
@@ -216,7 +220,7 @@ class Trainer:
                 s.optimizer.step(lr)
                 self.grads.gather_params()  # ZeRO: every rank gets the others' parameters
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
-            check_dp_replicas(self.named_params, pc.dp_group, pc.dp_size, step)
+            check_dp_replicas(self.named_params, pc.dp_cp_group, pc.dp_cp_size, step)
             if not self.tied.copies_equal():
                 raise SanityCheckError(f"step {step}: tied parameter copies disagree")
         seq = cfg.sequence_length_at(step + s.data_step_offset)  # data stages may change it
@@ -264,11 +268,12 @@ class Trainer:
         return self.fault.annotate(record, action)
 
     def _global_mean_loss(self, last_stage_loss: torch.Tensor | None) -> float:
-        """Mean over the global batch: the last stage's micro-batch mean, averaged over dp."""
+        """Mean over the global batch: the last stage's micro-batch mean, averaged over dp x cp
+        (a cp rank's loss is cp times its share of the sequence's mean: see Loss)."""
         loss = loss_on_all_pp_ranks(last_stage_loss, self.pc)
-        if self.pc.dp_size > 1:
-            dist.all_reduce(loss, group=self.pc.dp_group)
-        return float(loss) / self.pc.dp_size
+        if self.pc.dp_cp_size > 1:
+            dist.all_reduce(loss, group=self.pc.dp_cp_group)
+        return float(loss) / self.pc.dp_cp_size
 
     def train(
         self,
@@ -382,7 +387,9 @@ def train(
         # The backend's own timeout backs up the watchdog's (fault/watchdog.py), which fires
         # first and says who did not arrive.
         backstop = timedelta(seconds=par.collective_timeout_s + BACKEND_TIMEOUT_MARGIN_S)
-        pc = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, timeout=backstop)
+        pc = ParallelContext(
+            dp=par.dp, tp=par.tp, pp=par.pp, timeout=backstop, cp=par.context_parallel_size
+        )
     try:
         return Trainer(cfg, pc, stream).train(on_record, every_step)
     finally:

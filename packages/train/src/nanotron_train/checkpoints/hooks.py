@@ -62,8 +62,9 @@ class Checkpointing:
         _check_recorded_position(t.cfg, meta, folder)
         if pc.rank == 0:
             topo = meta["topology"]
+            cp = f" cp={topo['cp']}" if topo.get("cp", 1) != 1 else ""
             print(
-                f"resumed from {folder} at step {meta['step']} (saved with dp={topo['dp']} "
+                f"resumed from {folder} at step {meta['step']} (saved with dp={topo['dp']}{cp} "
                 f"tp={topo['tp']} pp={topo['pp']} zero_stage={topo['zero_stage']})",
                 flush=True,
             )

@@ -137,9 +137,13 @@ def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
     check_model_config(folder, meta, state.model.config)
     check_files(folder, meta)
     topo = meta["topology"]
-    same = (topo["dp"], topo["tp"], topo["pp"]) == (pc.dp_size, pc.tp_size, pc.pp_size)
+    saved = (topo["dp"], topo["tp"], topo["pp"], topo.get("cp", 1))
+    same = saved == (pc.dp_size, pc.tp_size, pc.pp_size, pc.cp_size)
     src = CheckpointSource.open(folder, meta)
-    own = [model_file(pc.pp_rank, pc.tp_rank), optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_rank)]
+    own = [
+        model_file(pc.pp_rank, pc.tp_rank),
+        optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_cp_rank),
+    ]
     if same:  # exactly this rank's shards, read straight into the tensors they restore
         src.prefetch(own, _destinations(state, cfg, pc, own))
     _load_model(src, state.model, pc)

@@ -212,13 +212,15 @@ def _host(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tenso
 
 def snapshot(state, cfg, pc, zero_stage: int, copy: bool) -> Snapshot:
     files: list[tuple[str, dict[str, torch.Tensor] | None, Any]] = []
-    if pc.dp_rank == 0:
+    # Replicas over dp and cp hold the same parameters: the first of each writes them; ZeRO
+    # shards the optimizer over dp x cp, so its files are indexed by the dp_cp rank.
+    if pc.dp_cp_rank == 0:
         tensors, infos = model_tensors(state.model, pc)
         meta = {"params": infos, "pp_rank": pc.pp_rank, "tp_rank": pc.tp_rank}
         files.append((model_file(pc.pp_rank, pc.tp_rank), _host(tensors, copy), meta))
-    if zero_stage > 0 or pc.dp_rank == 0:
+    if zero_stage > 0 or pc.dp_cp_rank == 0:
         tensors, meta = optimizer_tensors(state.optimizer, pc)
-        path = optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_rank)
+        path = optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_cp_rank)
         files.append((path, _host(tensors, copy), meta))
     files.append((rng_file(pc.rank), None, rng_bytes()))
     if pc.rank == 0:
@@ -242,6 +244,7 @@ def snapshot(state, cfg, pc, zero_stage: int, copy: bool) -> Snapshot:
             "dp": pc.dp_size,
             "tp": pc.tp_size,
             "pp": pc.pp_size,
+            "cp": pc.cp_size,
             "zero_stage": zero_stage,
         },
         "model_config": state.model.config.to_dict(),

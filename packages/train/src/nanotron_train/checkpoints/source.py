@@ -52,7 +52,9 @@ class CheckpointSource:
                 _, ours = read_header(folder / rel)
                 for name, info in ours.get("params", {}).items():
                     src.model.setdefault(name, {})[t] = (rel, ShardInfo.from_dict(info))
-                dps = range(topo["dp"]) if topo.get("zero_stage", 0) else [0]
+                # ZeRO shards over dp x cp (files indexed by dp_cp rank); cp is 1 if absent
+                shards = topo["dp"] * topo.get("cp", 1)
+                dps = range(shards) if topo.get("zero_stage", 0) else [0]
                 for d in dps:
                     rel = optimizer_file(p, t, d)
                     src._require(rel, records)

@@ -1,0 +1,145 @@
+"""Context parallel pieces: the chunk layout and positions (pure), and the attention function
+in 2 and 4 gloo processes against full causal attention in one process, values and gradients,
+with grouped-query heads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nanotron_parallel import ParallelConfigError
+from nanotron_parallel.context_parallel import (
+    LABEL_COUNT_KEY,
+    chunk_ids,
+    local_positions,
+    split_batch,
+    split_sequence,
+)
+from nanotron_parallel.testing import run_distributed
+
+
+def test_chunks_pair_each_with_its_mirror() -> None:
+    assert [chunk_ids(r, 2) for r in range(2)] == [(0, 3), (1, 2)]
+    assert [chunk_ids(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    # Causal work per rank (keys seen, in chunks) is the same on every rank: 2*cp + 1.
+    for cp in (2, 3, 4):
+        assert {sum(c + 1 for c in chunk_ids(r, cp)) for r in range(cp)} == {2 * cp + 1}
+
+
+def test_positions_and_split_cover_the_sequence_once() -> None:
+    assert local_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for cp in (1, 2, 4):
+        x = torch.arange(3 * 24).view(3, 24)
+        parts = [split_sequence(x, 1, r, cp) for r in range(cp)]
+        assert all(p.shape == (3, 24 // cp) for p in parts)
+        positions = torch.cat([local_positions(24, r, cp) for r in range(cp)])
+        assert sorted(positions.tolist()) == list(range(24))
+        # A part holds exactly the tokens at its positions.
+        for r, part in enumerate(parts):
+            assert torch.equal(part, x[:, local_positions(24, r, cp)])
+    with pytest.raises(ParallelConfigError, match="not divisible by 2\\*cp = 4"):
+        split_sequence(torch.zeros(2, 10), 1, 0, 2)
+
+
+def test_split_batch_slices_tokens_and_counts_labels() -> None:
+    ids = torch.arange(2 * 8).view(2, 8)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :3] = False
+    batch = {"input_ids": ids, "label_ids": ids + 100, "label_mask": mask}
+    assert split_batch(batch, 0, 1) is batch
+    part = split_batch(batch, 1, 2)  # chunks 1 and 2 of 4 (positions 2..5)
+    assert part["input_ids"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert part["label_ids"].tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    assert part["label_mask"].tolist() == [[False, True, True, True], [True] * 4]
+    assert part["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
+    assert float(part[LABEL_COUNT_KEY]) == 13.0  # the whole micro-batch's labelled tokens
+    # position_ids given by the data (restarting at documents) are sliced, not replaced
+    given = split_batch({**batch, "position_ids": ids % 5}, 0, 2)
+    assert given["position_ids"].tolist() == [[0, 1, 1, 2], [3, 4, 4, 0]]
+
+
+def _sdpa_kernel(q, k, v):
+    from nanotron_models.attention import attention
+
+    return attention(q, k, v, "sdpa")
+
+
+def _full_inputs(seq: int, heads: int, kv_heads: int):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(seq, 2, heads, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(seq, 2, kv_heads, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(seq, 2, kv_heads, 8, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(seq, 2, heads, 8, generator=g, dtype=torch.float64)
+    return q, k, v, grad_out
+
+
+def attention_worker(seq: int, heads: int, kv_heads: int, native: bool) -> dict:
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.context_parallel import context_parallel_attention
+
+    pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
+    try:
+        q, k, v, grad_out = _full_inputs(seq, heads, kv_heads)
+        mine = [split_sequence(t, 0, pc.cp_rank, pc.cp_size).requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attention(*mine, pc.cp_group, _sdpa_kernel, native)
+        out.backward(split_sequence(grad_out, 0, pc.cp_rank, pc.cp_size))
+        return {
+            "out": out.detach(),
+            "grads": [t.grad for t in mine],
+            "positions": local_positions(seq, pc.cp_rank, pc.cp_size),
+        }
+    finally:
+        pc.destroy()
+
+
+@pytest.mark.parametrize("world,native", [(2, False), (4, True)])
+def test_attention_matches_full_attention(world: int, native: bool) -> None:
+    """Values and gradients of q, k, v equal one process's full causal attention (fp64);
+    4 query heads on 2 kv heads (GQA); `native` runs the reduce-scatter NCCL uses."""
+    seq, heads, kv_heads = 16, 4, 2
+    results = run_distributed(attention_worker, world, seq, heads, kv_heads, native, timeout=120)
+    q, k, v, grad_out = _full_inputs(seq, heads, kv_heads)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _sdpa_kernel(*full)
+    ref.backward(grad_out)
+    covered = []
+    for res in results:
+        pos = res["positions"]
+        covered += pos.tolist()
+        torch.testing.assert_close(res["out"], ref.detach()[pos], rtol=1e-10, atol=1e-10)
+        for got, want in zip(res["grads"], full, strict=True):
+            torch.testing.assert_close(got, want.grad[pos], rtol=1e-10, atol=1e-10)
+    assert sorted(covered) == list(range(seq))
+
+
+def saved_bytes_worker(seq: int) -> dict:
+    """Bytes autograd keeps for the context-parallel attention of this rank."""
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.context_parallel import context_parallel_attention
+
+    pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    try:
+        q, k, v, _ = _full_inputs(seq, 4, 2)
+        mine = [split_sequence(t, 0, pc.cp_rank, pc.cp_size).requires_grad_() for t in (q, k, v)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            context_parallel_attention(*mine, pc.cp_group, _sdpa_kernel)
+        return {"saved": sum(saved), "local_qkv": sum(t.numel() * 8 for t in mine)}
+    finally:
+        pc.destroy()
+
+
+def test_attention_saves_only_the_local_qkv() -> None:
+    """What autograd keeps is this rank's q, k, v and nothing of the gathered K/V."""
+    for res in run_distributed(saved_bytes_worker, 2, 16, timeout=120):
+        assert res["saved"] == res["local_qkv"] > 0
