@@ -99,7 +99,7 @@ def test_override_unknown_key_and_value(tmp_path, capsys):
     code, err = run_main(capsys, ["--config-file", str(path), "--override", "tokens.train_stepz=3"])
     assert code == 2 and "tokens.train_stepz" in err and "--override" in err
     code, err = run_main(
-        capsys, ["--config-file", str(path), "--override", "optimizer.zero_stage=2"]
+        capsys, ["--config-file", str(path), "--override", "optimizer.zero_stage=4"]
     )
     assert code == 2 and "optimizer.zero_stage" in err
 

@@ -281,7 +281,13 @@ class Loss(nn.Module):
             self.z_loss_sum = z_mean if self.z_loss_sum is None else self.z_loss_sum + z_mean
         return loss
 
-    def forward(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def forward(
+        self, logits: torch.Tensor, batch: Batch, head: LMHead | None = None
+    ) -> torch.Tensor:
+        """The loss of a logit shard, or with `head`, of the hidden states `logits` through
+        that lm_head fused into the loss (`from_hidden`)."""
+        if head is not None:
+            return self.from_hidden(logits, batch, head)
         labels = batch["label_ids"].transpose(0, 1)
         mask = batch["label_mask"].transpose(0, 1).to(torch.float32)
         if self.z_loss_coefficient:

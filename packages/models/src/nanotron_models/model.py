@@ -161,6 +161,21 @@ class LlamaStage(nn.Module):
             for key, layer in self.decoder.items()
         }
 
+    def called_blocks(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+        """The blocks `forward` calls, in order, each with the parameters it reads (ZeRO-3
+        gathers those around the call). With the fused loss the lm_head block is not called:
+        the loss block reads its weight."""
+        out = []
+        for name in self.block_names:
+            if self.fused_loss and name == "lm_head":
+                continue
+            block = self.block(name)
+            if self.fused_loss and name == "loss":
+                out.append((block, list(self.lm_head.parameters())))
+            else:
+                out.append((block, list(block.parameters())))
+        return out
+
     def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:
         recompute = self.recompute and torch.is_grad_enabled()
         for name in self.block_names:
@@ -168,7 +183,7 @@ class LlamaStage(nn.Module):
                 continue  # the loss block runs the lm_head (set_fused_loss)
             block = self.block(name)
             if self.fused_loss and name == "loss":
-                x = block.from_hidden(x, batch, self.lm_head)
+                x = block(x, batch, head=self.lm_head)  # Loss.from_hidden
             elif recompute and isinstance(block, DecoderLayer):
                 compiled = self._compiled_checkpoints.get(name.split(".", 1)[1])
                 x = compiled(x, batch) if compiled else _checkpointed(block, x, batch)

@@ -11,13 +11,14 @@ the pre-divided gradients is the mean over data-parallel replicas, with no pass 
 buffers to divide (dividing by a power of two is exact, so the result is the same bitwise).
 
 This object owns the whole data-parallel policy: buckets, padding, which collective reduces,
-which ranges this rank steps (`owned_ranges`) and counts in the gradient norm
-(`grad_norm_views`), and the parameter all-gather after the step (`gather_params`, ZeRO only).
+which ranges this rank steps (`owned_pieces`) and counts in the gradient norm
+(`grad_norm_views`), and the parameter all-gather after the step (`gather_params`, ZeRO-1/2).
 `build_data_parallel` picks the class for a zero stage.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,18 @@ from torch import nn
 from torch.profiler import record_function
 
 _NORM_PIECE = 1 << 14  # elements per norm view on the CPU (see grad_norm_views)
+
+
+@dataclass
+class OwnedPiece:
+    """Elements [start, end) of `param` (flat) that this rank steps: `value` is where they live
+    (a view of the parameter, or of its ZeRO-3 shard) and `grad` their reduced gradient."""
+
+    param: nn.Parameter
+    start: int
+    end: int
+    value: torch.Tensor
+    grad: torch.Tensor
 
 
 @dataclass
@@ -42,6 +55,8 @@ class Bucket:
     launched: bool = False
     seen: set[int] = field(default_factory=set)
     full: bool = False  # always all-reduced (e.g. tied parameters, summed across stages later)
+    shard: torch.Tensor | None = None  # ZeRO-2/3: the reduced gradient of this rank's chunk
+    resident: bool = True  # whether `grad`'s storage is allocated (ZeRO-2/3 free it)
 
     def chunk_range(self, rank: int, world: int) -> tuple[int, int]:
         """This dp rank's slice of the (padded) flat buffer, used by ZeRO-1."""
@@ -85,27 +100,32 @@ class DataParallelGrads:
         self.tensor_collectives = tensor_collectives
         self._grad_scale = 1.0 / dp_size  # pre-divided in the hook: the reduction sums means
         self._norm_views: list[torch.Tensor] | None = None
-        pad_to = self.pad_to()
         self.armed = False
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
-        # Gradients arrive roughly in reverse order of definition: bucket from the end.
+        for group, full in self.bucket_groups(unique, bucket_cap_mb, full_reduce or set()):
+            self._add_bucket(group, grad_dtype, self.pad_to(), full)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique]
+
+    def bucket_groups(
+        self, params: list[nn.Parameter], bucket_cap_mb: float, full_reduce: set[int]
+    ) -> list[tuple[list[nn.Parameter], bool]]:
+        """The parameters of each bucket, and whether it is always all-reduced: the
+        `full_reduce` ones alone, the rest by size. Gradients arrive roughly in reverse order of
+        definition: bucket from the end."""
         cap = max(int(bucket_cap_mb * 2**20 / 4), 1)
-        full_reduce = full_reduce or set()
-        for p in reversed(unique):
-            if id(p) in full_reduce:
-                self._add_bucket([p], grad_dtype, pad_to, full=True)
+        out = [([p], True) for p in reversed(params) if id(p) in full_reduce]
         group: list[nn.Parameter] = []
-        for p in reversed(unique):
+        for p in reversed(params):
             if id(p) in full_reduce:
                 continue
             group.append(p)
             if sum(q.numel() for q in group) >= cap:
-                self._add_bucket(group, grad_dtype, pad_to)
+                out.append((group, False))
                 group = []
         if group:
-            self._add_bucket(group, grad_dtype, pad_to)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique]
+            out.append((group, False))
+        return out
 
     def _add_bucket(
         self,
@@ -201,20 +221,68 @@ class DataParallelGrads:
         (zero 0: dp rank 0 counts everything)."""
         return self.dp_rank == 0
 
-    def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
-        """(param, start, end) flat element ranges this rank steps."""
-        out: list[tuple[nn.Parameter, int, int]] = []
+    def grad_store(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
+        """Where the reduced gradient of `bucket` lives: (tensor, flat index of its element 0).
+        Zero 0/1: the full buffer; ZeRO-2/3: this rank's shard."""
+        return bucket.grad, 0
+
+    def value_store(self, bucket: Bucket) -> tuple[torch.Tensor, int] | None:
+        """Where the owned parameter values of `bucket` live, like `grad_store`; None: in the
+        parameters themselves (every stage but ZeRO-3)."""
+        return None
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """The flat element ranges this rank steps, with their values and gradients."""
+        out: list[OwnedPiece] = []
         for bucket in self.buckets:
             lo, hi = self.owned_span(bucket)
+            grads, g0 = self.grad_store(bucket)
+            values = self.value_store(bucket)
             for p, off in zip(bucket.params, bucket.offsets):
                 start, end = max(off, lo), min(off + p.numel(), hi)
-                if start < end:
-                    out.append((p, start - off, end - off))
+                if start >= end:
+                    continue
+                if values is None:
+                    value = p.detach().reshape(-1)[start - off : end - off]
+                else:
+                    value = values[0][start - values[1] : end - values[1]]
+                grad = grads[start - g0 : end - g0]
+                out.append(OwnedPiece(p, start - off, end - off, value, grad))
         return out
+
+    def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(param, start, end) flat element ranges this rank steps."""
+        return [(pc.param, pc.start, pc.end) for pc in self.owned_pieces()]
 
     def owned_grads(self) -> list[torch.Tensor]:
         """The flat gradient views this rank steps: one per bucket (what clipping scales)."""
-        return [b.grad[slice(*self.owned_span(b))] for b in self.buckets]
+        out = []
+        for bucket in self.buckets:
+            grads, g0 = self.grad_store(bucket)
+            lo, hi = self.owned_span(bucket)
+            out.append(grads[lo - g0 : hi - g0])
+        return out
+
+    def tied_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The gradient of a tied parameter that the tied group sums over its copies (the full
+        one here; ZeRO-2/3: this rank's chunk, the same elements on every copy)."""
+        return param.main_grad
+
+    def local_grads(self, param: nn.Parameter) -> list[torch.Tensor]:
+        """The reduced gradient elements of `param` this rank holds after `finish()`."""
+        return [param.main_grad]
+
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """A context in which every parameter holds its full value (ZeRO-3 gathers them;
+        writes made inside are kept). For checkpoints, weight loading and checks."""
+        return contextlib.nullcontext()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now for parameters and gradient buffers (each storage once)."""
+        params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.params}
+        grads = sum(b.grad.untyped_storage().nbytes() for b in self.buckets)
+        grads += sum(b.shard.nbytes for b in self.buckets if b.shard is not None)
+        return {"params": sum(params.values()), "grads": grads}
 
     def grad_norm_views(self, counts: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
         """Flat gradient views whose squares this rank adds to the global norm: its owned
@@ -224,6 +292,7 @@ class DataParallelGrads:
             if self.counts_in_norm_over_dp():
                 for bucket in self.buckets:
                     lo, hi = self.owned_span(bucket)
+                    grads, g0 = self.grad_store(bucket)
                     spans: list[list[int]] = []
                     for p, off in zip(bucket.params, bucket.offsets):
                         start, end = max(off, lo), min(off + p.numel(), hi)
@@ -233,7 +302,7 @@ class DataParallelGrads:
                             spans[-1][1] = end
                         else:
                             spans.append([start, end])
-                    views += [bucket.grad[a:b] for a, b in spans]
+                    views += [grads[a - g0 : b - g0] for a, b in spans]
             if views and views[0].device.type == "cpu":
                 # The CPU's fp32 norm kernel sums sequentially (~1e-4 relative error on a few
                 # million elements); over 16k-element pieces it stays below 1e-7, and the fp32

@@ -10,6 +10,7 @@ the same on every member, so the copies stay bitwise equal through training.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,12 +84,13 @@ class TiedParameters:
                 )
         return TiedParameters([TiedParameterGroup(k, ps, group, ranks) for k, ps in local.items()])
 
-    def sync_gradients(self) -> None:
+    def sync_gradients(self, grad_of: Callable[[nn.Parameter], torch.Tensor] | None = None) -> None:
         """Sum each tied parameter's gradient over its copies, in place, so every copy holds
-        the sum. Reads `param.main_grad` (data parallel's accumulation buffer) when the
-        parameter has one, else `param.grad`."""
+        the sum. Reads `grad_of(param)` (the data-parallel object's `tied_grad`: under
+        ZeRO-2/3 this rank's gradient chunk, the same elements on every copy), else
+        `param.main_grad` when the parameter has one, else `param.grad`."""
         for tied in self.groups:
-            grads = [_grad_tensor(p) for p in tied.params]
+            grads = [grad_of(p) if grad_of else _grad_tensor(p) for p in tied.params]
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(dim=0)
             if tied.group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=tied.group)

@@ -1,8 +1,8 @@
-"""ZeRO-1: optimizer state and fp32 masters sharded over the data-parallel ranks.
+"""ZeRO-1 and ZeRO-2: optimizer state (and, at 2, gradients) sharded over the data-parallel ranks.
 
 The flat gradient buffer of every bucket (see data_parallel.py) is padded to a multiple of dp
 and cut into dp equal chunks; dp rank r owns chunk r of every bucket. It steps only the
-parameter elements in its chunks (`owned_ranges`), then `gather_params` rebuilds every full
+parameter elements in its chunks (`owned_pieces`), then `gather_params` rebuilds every full
 parameter from the owners. Elementwise optimizers (Adam) therefore give exactly the results of
 zero_stage 0, while each rank keeps ~1/dp of the optimizer state.
 
@@ -11,8 +11,9 @@ reduce-scattered, so each rank only receives its own chunks, and the parameters 
 with one all-gather into the flat buffer; otherwise all-reduce and a list all-gather, which
 gloo runs faster. Tied buckets are always all-reduced (they are summed across stages after).
 
-`build_data_parallel(zero_stage, ...)` is the one place a zero stage picks its class; ZeRO-2/3
-add theirs there.
+ZeRO-2 (`ZeroTwoGrads`) keeps only the reduced chunk of the gradients between steps (see its
+docstring); ZeRO-3 is zero3.py. `build_data_parallel(zero_stage, ...)` is the one place a zero
+stage picks its class.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from nanotron_parallel.data_parallel import Bucket, DataParallelGrads
 from nanotron_parallel.tensor_parallel.functional import _all_gather_tensor, _reduce_scatter_tensor
@@ -69,7 +71,88 @@ class ZeroOneGrads(DataParallelGrads):
                 p.detach().copy_(flat[off : off + p.numel()].view_as(p))
 
 
-_BY_STAGE: dict[int, type[DataParallelGrads]] = {0: DataParallelGrads, 1: ZeroOneGrads}
+def free_storage(t: torch.Tensor) -> None:
+    """Release the memory of `t` (a base tensor) but keep the tensor and every view of it:
+    shapes stay, and `alloc_storage` brings the memory back under the same views."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+class ZeroTwoGrads(ZeroOneGrads):
+    """ZeRO-2: gradients sharded too. Micro-batches still accumulate into the full buffers
+    (allocated when the step's first gradient of a bucket arrives), but the reduction writes
+    only this rank's chunk into `bucket.shard`, after which the full buffer's memory is
+    released: between steps a rank holds 1/dp of the gradients. Tied buckets are
+    reduce-scattered too; their copies on the first and last stage have the same chunks, so
+    the tied sum runs on the shards (`tied_grad`)."""
+
+    zero_stage = 2
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for bucket in self.buckets:
+            lo, hi = self.owned_span(bucket)
+            bucket.shard = bucket.grad.new_zeros(hi - lo)
+            free_storage(bucket.grad)
+            bucket.resident = False
+
+    def _materialise(self, bucket: Bucket) -> None:
+        alloc_storage(bucket.grad)
+        bucket.grad.zero_()
+        bucket.resident = True
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        if not bucket.resident:
+            self._materialise(bucket)
+        super()._on_grad(param)
+
+    def _launch_collective(self, bucket: Bucket) -> None:
+        if not bucket.resident:  # no gradient reached it this step (a stage that saw no data)
+            self._materialise(bucket)
+        if self.tensor_collectives:
+            bucket.handle = _reduce_scatter_tensor(
+                bucket.shard, bucket.grad, group=self.dp_group, async_op=True
+            )
+        else:
+            bucket.handle = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
+
+    def finish(self) -> None:
+        """Reduce every bucket into this rank's shards, then release the full buffers."""
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                with record_function("dp.reduce_wait"):
+                    bucket.handle.wait()
+                bucket.handle = None
+            if not self.tensor_collectives:  # all-reduced: keep this rank's chunk
+                lo, hi = self.owned_span(bucket)
+                bucket.shard.copy_(bucket.grad[lo:hi])
+            free_storage(bucket.grad)
+            bucket.resident = False
+        self.armed = False
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            if bucket.resident:  # a step that stopped before its reduction
+                bucket.grad.zero_()
+            bucket.seen.clear()
+            bucket.launched = False
+            bucket.handle = None
+        self.armed = False
+
+    def grad_store(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
+        return bucket.shard, self.owned_span(bucket)[0]
+
+    def tied_grad(self, param: nn.Parameter) -> torch.Tensor:
+        return self._bucket_of[id(param)].shard  # a tied parameter has a bucket of its own
+
+    def local_grads(self, param: nn.Parameter) -> list[torch.Tensor]:
+        return [pc.grad for pc in self.owned_pieces() if pc.param is param]
 
 
 def build_data_parallel(
@@ -78,11 +161,28 @@ def build_data_parallel(
     dp_group: dist.ProcessGroup | None,
     dp_size: int,
     dp_rank: int,
+    blocks: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
     **kwargs,
 ) -> DataParallelGrads:
-    """The data-parallel object of `zero_stage` (with dp = 1 a ZeRO stage changes nothing, so
-    zero_stage 0 is used). kwargs: grad_dtype, bucket_cap_mb, full_reduce, tensor_collectives."""
-    if zero_stage not in _BY_STAGE:
-        raise ValueError(f"optimizer.zero_stage={zero_stage} is not supported: {sorted(_BY_STAGE)}")
-    cls = _BY_STAGE[zero_stage if dp_size > 1 else 0]
-    return cls(params, dp_group, dp_size, dp_rank, **kwargs)
+    """The data-parallel object of `zero_stage`, sharded over `dp_group` (whatever group it is:
+    the data-parallel one, or data x context parallel). With dp = 1 a ZeRO stage changes
+    nothing, so zero_stage 0 is used. `blocks`: the modules the stage calls, in forward order,
+    each with the parameters it reads (ZeRO-3 gathers those around its forward and backward). kwargs: grad_dtype,
+    bucket_cap_mb, full_reduce, tensor_collectives."""
+    from nanotron_parallel.zero3 import ZeroThreeGrads
+
+    by_stage: dict[int, type[DataParallelGrads]] = {
+        0: DataParallelGrads,
+        1: ZeroOneGrads,
+        2: ZeroTwoGrads,
+        3: ZeroThreeGrads,
+    }
+    if zero_stage not in by_stage:
+        raise ValueError(f"optimizer.zero_stage={zero_stage} is not supported: {sorted(by_stage)}")
+    if dp_size == 1:
+        zero_stage = 0
+    if zero_stage == 3:
+        if blocks is None:
+            raise ValueError("ZeRO-3 needs the stage's blocks (build_data_parallel(blocks=...))")
+        return ZeroThreeGrads(params, dp_group, dp_size, dp_rank, blocks=blocks, **kwargs)
+    return by_stage[zero_stage](params, dp_group, dp_size, dp_rank, **kwargs)

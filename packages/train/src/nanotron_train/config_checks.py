@@ -178,8 +178,22 @@ CHECKS: tuple[Check, ...] = (
     # optimizer
     Check(
         "optimizer.zero_stage",
-        lambda c: c.optimizer.zero_stage in (0, 1),
-        lambda c: f"must be 0 or 1, got {c.optimizer.zero_stage}",
+        lambda c: c.optimizer.zero_stage in (0, 1, 2, 3),
+        lambda c: f"must be 0, 1, 2 or 3, got {c.optimizer.zero_stage}",
+    ),
+    Check(
+        "optimizer.zero_stage",
+        lambda c: not (c.optimizer.zero_stage == 3 and c.model.compile),
+        "3 with model.compile: ZeRO-3 frees and re-gathers each block's parameter memory "
+        "around its forward, which compiled graphs do not expect; use zero_stage 2 or compile off",
+    ),
+    Check(
+        "optimizer.zero_stage",
+        lambda c: (
+            not (c.optimizer.zero_stage == 3 and c.parallelism.pp_engine == "interleaved-1f1b")
+        ),
+        "3 with pp_engine interleaved-1f1b: ZeRO-3 prefetches blocks in one stage's forward "
+        "order, which the interleaved engine does not follow; use afab or 1f1b",
     ),
     at_least("optimizer.weight_decay", 0),
     Check(

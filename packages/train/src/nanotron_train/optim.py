@@ -1,8 +1,9 @@
 """AdamW (or SGD) over this rank's parameter ranges, with fp32 master weights where needed.
 
 The optimizer sees one fp32 "master" tensor per owned range (the whole parameter for
-zero_stage 0, this dp rank's part for ZeRO-1). When the parameter is fp32 the master is a view
-into it, so stepping it updates the model in place; when the model is bf16/fp16 the master is an
+zero_stage 0, this dp rank's part under ZeRO). When the parameter is fp32 the master is a view
+into it (ZeRO-3: into this rank's parameter shard), so stepping it updates the model in place;
+when the model is bf16/fp16 the master is an
 fp32 copy, stepped and then copied back (accumulate_grad_in_fp32). Weight decay applies to every
 parameter except those whose name (ours or Nanotron's) a regex of
 `optimizer.weight_decay_exclude_named_params` matches, as in Nanotron.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanotron_parallel.data_parallel import OwnedPiece
 from nanotron_train.nanotron_names import excluded_from_weight_decay
 
 
@@ -31,24 +33,26 @@ class Piece:
     master: torch.Tensor  # fp32, 1-D, end - start elements
     is_copy: bool  # master is a separate fp32 tensor (low-precision model)
     decay: bool
+    value: torch.Tensor  # where the parameter's elements live (ZeRO-3: this rank's shard)
+    grad: torch.Tensor  # their reduced gradient (ZeRO-2/3: in this rank's gradient shard)
 
 
 def build_pieces(
-    ranges: list[tuple[nn.Parameter, int, int]],
+    owned: list[OwnedPiece],
     names: dict[int, str],
     master_dtype=torch.float32,
     exclude_from_decay: list[str] | None = None,
 ) -> list[Piece]:
+    """One Piece per range the data-parallel object gives this rank (`owned_pieces()`)."""
     pieces = []
-    for p, start, end in ranges:
-        flat = p.detach().reshape(-1)
-        if p.dtype == master_dtype:
-            master, is_copy = flat[start:end], False
+    for o in owned:
+        if o.value.dtype == master_dtype:
+            master, is_copy = o.value, False
         else:
-            master, is_copy = flat[start:end].to(master_dtype).clone(), True
-        name = names.get(id(p), "")
+            master, is_copy = o.value.to(master_dtype).clone(), True
+        name = names.get(id(o.param), "")
         decay = not excluded_from_weight_decay(name, exclude_from_decay)
-        pieces.append(Piece(name, p, start, end, master, is_copy, decay))
+        pieces.append(Piece(name, o.param, o.start, o.end, master, is_copy, decay, o.value, o.grad))
     return pieces
 
 
@@ -69,7 +73,7 @@ def optimizer_kwargs(factory) -> dict:
 
 class AdamWOnPieces:
     """torch.optim.AdamW (or, `name="sgd"`, torch.optim.SGD as Nanotron builds it: no momentum)
-    stepping the masters with gradients taken from `param.main_grad`."""
+    stepping the masters with the reduced gradients of their ranges (`Piece.grad`)."""
 
     def __init__(
         self,
@@ -103,7 +107,7 @@ class AdamWOnPieces:
     @torch.no_grad()
     def step(self, lr: float) -> None:
         for pc in self.pieces:
-            grad = pc.param.main_grad.reshape(-1)[pc.start : pc.end]
+            grad = pc.grad
             pc.master.grad = grad if grad.dtype == pc.master.dtype else grad.to(pc.master.dtype)
         if self.inner is not None:
             for group in self.inner.param_groups:
@@ -112,7 +116,7 @@ class AdamWOnPieces:
         for pc in self.pieces:
             pc.master.grad = None
             if pc.is_copy:
-                pc.param.detach().reshape(-1)[pc.start : pc.end].copy_(pc.master)
+                pc.value.copy_(pc.master)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (Adam moments plus fp32 master copies)."""

@@ -20,7 +20,8 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
 4. Pipeline chunks: v chunks become one `StageChunks` module (tied ends re-tied when pp = 1),
    and the tied embedding / lm_head copies of the first and last stage get their group.
 5. Data parallel / ZeRO: gradient buffers and the reduction policy of `optimizer.zero_stage`
-   (`nanotron_parallel.zero.build_data_parallel`; ZeRO-2/3 add their classes there), over
+   (`nanotron_parallel.zero.build_data_parallel`; ZeRO-3 gathers the parameters of each block
+   the stage calls, `called_blocks()`, around its forward and backward), over
    the dp x cp group: parameters are replicated over cp as over dp, so their gradients are
    averaged (and ZeRO shards) over both. With cp = 1 that group is the dp group.
 
@@ -92,5 +93,6 @@ def parallelize(
         bucket_cap_mb=cfg.model.ddp_bucket_cap_mb,
         full_reduce={id(p) for g in tied.groups for p in g.params},
         tensor_collectives=pc.tensor_collectives,
+        blocks=[unit for c in chunks for unit in c.called_blocks()],  # ZeRO-3's gather units
     )
     return ParallelModel(stage, tied, grads)

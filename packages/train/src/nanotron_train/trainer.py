@@ -110,7 +110,8 @@ class Trainer:
         init_path = cfg.model.init_method.path
         if init_path and not cfg.checkpoints.resume_checkpoint_path:  # ExistingCheckpointInit
             mc = padded_model_config(cfg)  # before the optimizer copies any master weight
-            load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
+            with self.grads.full_parameters():  # ZeRO-3: written back to the shards
+                load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
         self.zero_stage = par_model.zero_stage
         named = list(model.named_parameters())
         self.named_params = named
@@ -118,7 +119,7 @@ class Trainer:
         dtype = DTYPES[cfg.model.dtype]
         names = {id(p): n for n, p in named}
         pieces = build_pieces(
-            self.grads.owned_ranges(),
+            self.grads.owned_pieces(),
             names,
             exclude_from_decay=opt.weight_decay_exclude_named_params,
         )
@@ -201,7 +202,7 @@ class Trainer:
             )
         with tm.span("dp_wait"):
             self.grads.finish()  # now the dp x cp mean (ZeRO-1 reduce-scatter: own chunks)
-            self.tied.sync_gradients()  # sum each tied copy's gradient over first & last stage
+            self.tied.sync_gradients(self.grads.tied_grad)  # sum over first & last stage
         with tm.span("optimizer"):
             norm = global_grad_norm(self.norm_views, None, pc.device)
         z_loss = self._take_z_loss(len(micro_batches))
@@ -212,7 +213,9 @@ class Trainer:
             host_values = (self._global_mean_loss(result.loss_tensor), float(norm))
             action = self.fault.nonfinite.check(*host_values)
             if action == "stop":
-                raise nonfinite_stop(step, *host_values, self.named_params, pc)
+                raise nonfinite_stop(
+                    step, *host_values, self.named_params, pc, self.grads.local_grads
+                )
         if action == "ok":
             with tm.span("optimizer"):
                 if cfg.optimizer.clip_grad is not None:
@@ -220,9 +223,10 @@ class Trainer:
                 s.optimizer.step(lr)
                 self.grads.gather_params()  # ZeRO: every rank gets the others' parameters
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
-            check_dp_replicas(self.named_params, pc.dp_cp_group, pc.dp_cp_size, step)
-            if not self.tied.copies_equal():
-                raise SanityCheckError(f"step {step}: tied parameter copies disagree")
+            with self.grads.full_parameters():
+                check_dp_replicas(self.named_params, pc.dp_cp_group, pc.dp_cp_size, step)
+                if not self.tied.copies_equal():
+                    raise SanityCheckError(f"step {step}: tied parameter copies disagree")
         seq = cfg.sequence_length_at(step + s.data_step_offset)  # data stages may change it
         s.step = step
         s.consumed_samples += cfg.global_batch_size
@@ -250,7 +254,9 @@ class Trainer:
         if out.host_values is None:  # an unlogged step under `stop`: checked now
             action = self.fault.nonfinite.check(loss, norm)
             if action == "stop":
-                raise nonfinite_stop(out.step, loss, norm, self.named_params, pc)
+                raise nonfinite_stop(
+                    out.step, loss, norm, self.named_params, pc, self.grads.local_grads
+                )
         tokens = cfg.global_batch_size * out.sequence_length
         measure = StepMeasure(
             out.step, self.state.consumed_tokens, loss, norm, out.lr, seconds_per_step, tokens

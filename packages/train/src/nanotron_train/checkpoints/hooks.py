@@ -58,7 +58,8 @@ class Checkpointing:
             if ck.resume_checkpoint_path == "auto" and pc.rank == 0:
                 print(f"--resume auto: no checkpoint in {ck.checkpoints_path}; starting fresh")
             return None
-        meta = load_checkpoint(folder, t.state, t.cfg, pc, t.zero_stage)
+        with t.grads.full_parameters():  # ZeRO-3: the loaded values go to the shards
+            meta = load_checkpoint(folder, t.state, t.cfg, pc, t.zero_stage)
         _check_recorded_position(t.cfg, meta, folder)
         if pc.rank == 0:
             topo = meta["topology"]
@@ -97,10 +98,14 @@ class Checkpointing:
         done = self.wait()  # never two saves at once
         self.last_saved = t.state.step
         if self.writer is not None:
-            self.writer.start(t.state, t.cfg, t.zero_stage)
+            with t.grads.full_parameters():  # ZeRO-3: gathered while the snapshot copies them
+                self.writer.start(t.state, t.cfg, t.zero_stage)
             return done
         try:
-            folder = save_checkpoint(self.ck.checkpoints_path, t.state, t.cfg, t.pc, t.zero_stage)
+            with t.grads.full_parameters():
+                folder = save_checkpoint(
+                    self.ck.checkpoints_path, t.state, t.cfg, t.pc, t.zero_stage
+                )
         except CheckpointError as exc:
             self._failed(t.state.step, exc)
             return done
@@ -154,7 +159,8 @@ class Checkpointing:
                 "(fault_tolerance.nonfinite_policy: rollback)"
             )
         data_state, served = s.data.state_dict(), s.step + s.data_step_offset
-        load_checkpoint(folder, s, t.cfg, t.pc, t.zero_stage)
+        with t.grads.full_parameters():
+            load_checkpoint(folder, s, t.cfg, t.pc, t.zero_stage)
         s.data.load_state_dict(data_state)
         s.data_step_offset = served - s.step  # the next step takes the data after the bad one
         self.last_saved = s.step

@@ -35,12 +35,17 @@ class NonFiniteGuard:
         return self.policy  # type: ignore[return-value]
 
 
-def first_nonfinite_gradient(named_params, pc) -> str:
-    """`name (rank R)` of the first parameter, in model order, whose gradient is non-finite."""
+def first_nonfinite_gradient(named_params, pc, grads_of=None) -> str:
+    """`name (rank R)` of the first parameter, in model order, whose gradient is non-finite.
+    `grads_of(param)`: the reduced gradient pieces this rank holds (ZeRO-2/3: its chunks);
+    default `param.main_grad`."""
     mine = None
     for name, p in named_params:
-        grad = getattr(p, "main_grad", None)
-        if grad is not None and not bool(torch.isfinite(grad).all()):
+        if grads_of is not None:
+            grads = grads_of(p)
+        else:
+            grads = [g] if (g := getattr(p, "main_grad", None)) is not None else []
+        if any(not bool(torch.isfinite(g).all()) for g in grads):
             mine = name
             break
     found: list[str | None] = [None] * pc.world_size
@@ -52,8 +57,10 @@ def first_nonfinite_gradient(named_params, pc) -> str:
     return "none (the loss itself is non-finite)"
 
 
-def stop(step: int, loss: float, grad_norm: float | None, named_params, pc) -> NonFiniteStop:
-    where = first_nonfinite_gradient(named_params, pc)
+def stop(
+    step: int, loss: float, grad_norm: float | None, named_params, pc, grads_of=None
+) -> NonFiniteStop:
+    where = first_nonfinite_gradient(named_params, pc, grads_of)
     return NonFiniteStop(
         f"non-finite values at step {step}: lm_loss={loss}, grad_norm={grad_norm}; first "
         f"parameter with a non-finite gradient: {where} (fault_tolerance.nonfinite_policy: stop)",
