@@ -20,7 +20,7 @@ from nanotron_models import (
 from nanotron_models.attention import attention
 from nanotron_models.blocks import _SwiGLUFunction
 from nanotron_models.hf import config_to_hf
-from nanotron_models.rotary import RotaryTable, rope_inv_freq
+from nanotron_models.rotary import RotaryTable, apply_rotary, rope_inv_freq, rotate_qkv
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
@@ -117,10 +117,11 @@ def test_sdpa_gqa_with_cached_prefix_equals_naive():
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_fused_loss_and_swiglu_match_the_plain_model(pc1, tie):
-    """The default model (fused lm_head + loss, SwiGLU Function) against the same weights with
-    the logits materialised and the MLP in plain ops: loss, z-loss and every gradient within
-    1e-6 (the SwiGLU alone: bitwise), masked labels, under grad and no_grad."""
+def test_fused_loss_swiglu_and_rotary_match_plain_ops(pc1, tie):
+    """The SwiGLU (bitwise) and q/k rotation Functions against the plain ops they replace; the
+    default model (fused lm_head + loss) against the same weights with the logits
+    materialised: loss, z-loss and every gradient within 1e-6, masked labels, grad and
+    no_grad."""
     import torch.nn.functional as F
 
     config = tiny_config(tie, z_loss_enabled=True, z_loss_coefficient=0.01)
@@ -135,6 +136,20 @@ def test_fused_loss_and_swiglu_match_the_plain_model(pc1, tie):
     swiglu = _SwiGLUFunction.apply(gate_up)
     swiglu.square().sum().backward()
     assert torch.equal(swiglu, want) and torch.equal(gate_up.grad, want_grad)
+
+    # q/k rotation of the fused projection, per-position cos/sin [s, b, 1, d] (position_ids)
+    qkv = torch.randn(7, 2, 4 + 2 * 2, 16, requires_grad=True)
+    angles = torch.randn(7, 2, 1, 8)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    up = [torch.randn(7, 2, n, 16) for n in (4, 2, 2)]
+    qk, v = qkv.split([6, 2], dim=2)
+    want = [*apply_rotary(qk, cos, sin).split([4, 2], dim=2), v]
+    torch.autograd.backward(want, up)
+    want_grad, qkv.grad = qkv.grad, None
+    got = rotate_qkv(qkv, cos, sin, 4, 2)
+    torch.autograd.backward(got, up)
+    for a, b in zip([*got, qkv.grad], [*want, want_grad]):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (2, 13), generator=gen)

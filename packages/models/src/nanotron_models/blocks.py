@@ -30,7 +30,7 @@ from nanotron_parallel.tensor_parallel import (
 from .attention import attention, resolve_backend
 from .config import LlamaConfig
 from .kv_cache import KVCache
-from .rotary import RotaryTable, apply_rotary
+from .rotary import RotaryTable, apply_rotary, rotate_qkv
 
 Batch = dict[str, torch.Tensor]
 
@@ -144,10 +144,12 @@ class Attention(nn.Module):
             length = s * self.cp_size if self.cp_size > 1 else None
             cos, sin = self.rotary.cos_sin(position_ids.transpose(0, 1), x.device, x.dtype, length)
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        # One rotation for q and k together: they are adjacent in the fused projection.
-        # (split, not slicing: its backward is one concatenation instead of zero-fills + adds)
-        qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)
-        q, k = apply_rotary(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
+        if torch.compiler.is_compiling():  # plain ops: inductor fuses them
+            # One rotation for q and k together: they are adjacent in the fused projection.
+            qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)
+            q, k = apply_rotary(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
+        else:
+            q, k, v = rotate_qkv(qkv, cos, sin, self.n_heads, self.n_kv)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         backend = resolve_backend(self.backend, x.device)
