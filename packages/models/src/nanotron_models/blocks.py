@@ -79,7 +79,8 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
         g = (grad * weight).float()
         nf = normed.float()
-        grad_x = (g - nf * (g * nf).mean(-1, keepdim=True)).mul_(rstd)
+        # g - nf * mean(g * nf) in one pass (addcmul), then the scale
+        grad_x = torch.addcmul(g, nf, (g * nf).mean(-1, keepdim=True), value=-1.0).mul_(rstd)
         return grad_x.to(grad.dtype), grad_weight, None
 
 
