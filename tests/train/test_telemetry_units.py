@@ -129,36 +129,65 @@ def test_client_keeps_events_and_bounds_waiting_telemetry():
         client.close(timeout=0.1)
 
 
-def _losses_and_weights(telemetry: bool) -> tuple[list[float], list[torch.Tensor]]:
+LAYOUTS = [
+    {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b"},  # v = 2 chunks, m = 2
+    {"dp": 1, "tp": 2, "pp": 1},
+]
+
+
+def _losses_and_weights(layout: dict, telemetry: bool):
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.trainer import Trainer
 
-    raw = tiny_config({"dp": 1, "tp": 1, "pp": 2}, None, steps=4)
+    raw = tiny_config(layout, None, steps=4)
+    if layout.get("engine") == "interleaved-1f1b":
+        raw["parallelism"]["pp_virtual_stages"] = 2
+        raw["model"]["model_config"]["num_hidden_layers"] = 4
     raw["logging"].update(
-        rank_stats_interval=1 if telemetry else 0,
+        rank_stats_interval=2 if telemetry else 0,
         pipeline_timeline_interval=1 if telemetry else 0,
     )
-    pc = ParallelContext(dp=1, tp=1, pp=2)
+    pc = ParallelContext(dp=1, tp=layout["tp"], pp=layout["pp"])
     try:
         trainer = Trainer(config_from_dict(copy.deepcopy(raw)), pc, stream=io.StringIO())
         records: list[dict] = []
         trainer.train(on_record=records.append, every_step=True)
-        return [r["lm_loss"] for r in records], [
-            p.detach().clone() for p in trainer.state.model.parameters()
-        ]
+        weights = [p.detach().clone() for p in trainer.state.model.parameters()]
+        tm = trainer.telemetry
+        return [r["lm_loss"] for r in records], weights, tm.last_rank_stats, tm.last_timeline
     finally:
         pc.destroy()
 
 
-def _compare_on_rank() -> bool:
+def _compare_on_rank() -> list:
     torch.set_num_threads(1)
+    out = []
     with shared_default_group():
-        off = _losses_and_weights(False)
-        on = _losses_and_weights(True)
-    assert off[0] == on[0] and len(off[0]) == 4
-    assert all(torch.equal(a, b) for a, b in zip(off[1], on[1], strict=True))
-    return True
+        for layout in LAYOUTS:
+            off = _losses_and_weights(layout, False)
+            on = _losses_and_weights(layout, True)
+            assert off[0] == on[0] and len(off[0]) == 4
+            assert all(torch.equal(a, b) for a, b in zip(off[1], on[1], strict=True))
+            out.append(on[2:])
+    return out
 
 
 def test_losses_and_weights_bitwise_unchanged_with_telemetry_on():
-    assert run_distributed(_compare_on_rank, 2) == [True, True]
+    """Interleaved pp=2 (v=2) and tp=2: the same losses and weights with rank stats every 2
+    steps and a timeline every step as without; rank 0 measured tp time and chunk spans."""
+    (pp_stats, timeline), (tp_stats, no_timeline) = run_distributed(_compare_on_rank, 2)[0]
+    assert no_timeline is None  # pp = 1: no timeline
+    assert [r["tp_comm_ms"] > 0 for r in tp_stats] == [True, True]
+    assert [r["tp"] for r in tp_stats] == [0, 1] and [r["pp"] for r in pp_stats] == [0, 1]
+    assert [r["tp_comm_ms"] for r in pp_stats] == [0.0, 0.0]
+    assert timeline["step"] == 4 and timeline["schedule"] == "interleaved-1f1b"
+    assert (timeline["chunks"], timeline["micro_batches"]) == (2, 2)
+    assert timeline["bubble_formula"] == pytest.approx(1 / 5)
+    keys = sorted((s["stage"], s["chunk"], s["micro_batch"], s["kind"]) for s in timeline["spans"])
+    assert keys == sorted(
+        (st, c, mb, k)
+        for st in (0, 1)
+        for c in (0, 1)
+        for mb in (0, 1)
+        for k in ("forward", "backward")
+    )
