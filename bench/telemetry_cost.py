@@ -4,7 +4,8 @@ Two Trainers of the same small Llama in this launch, one with `logging.rank_stat
 at its default (10) and `pipeline_timeline_interval` as given (default 0, its default), one
 with telemetry off (both 0). They run alternately in blocks of --block steps (a multiple of the
 interval, so each block pays its interval gathers), --repeats times; the printed ratio is the
-median step time with telemetry over the median without (aim <= 1.02). Runs on the CPU (one
+median step time with telemetry over the median without (aim <= 1.02), and the median of the
+per-repeat ratios (the two sides alternate which goes first). Runs on the CPU (one
 thread per process) or on the GPU when there is one (bf16); under torchrun every rank runs it
 (pass --dp/--tp/--pp matching the processes) and rank 0 prints.
 
@@ -72,25 +73,35 @@ def main() -> None:
     on = Trainer(config_from_dict(config(args, True), "bench"), pc, stream=io.StringIO())
     off = Trainer(config_from_dict(config(args, False), "bench"), pc, stream=io.StringIO())
 
+    cpu_times: dict[int, list[float]] = {id(on): [], id(off): []}
+
     def block(trainer: Trainer) -> float:
-        """Seconds per step over one block, the interval's gathers included."""
+        """Seconds per step over one block, the interval's gathers included (and, aside, the
+        CPU seconds of this process: on a shared CPU machine other jobs' load shows in the
+        wall time, much less in our own CPU time)."""
         if pc.device.type == "cuda":
             torch.cuda.synchronize(pc.device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.block):
             out = trainer.train_step()
             trainer.telemetry.after_step(out.step)
         if pc.device.type == "cuda":
             torch.cuda.synchronize(pc.device)
+        cpu_times[id(trainer)].append((time.process_time() - c0) / args.block)
         return (time.perf_counter() - t0) / args.block
 
     block(on), block(off)  # warm-up: allocator, p2p shapes, first gathers
     with_t, without = [], []
-    for _ in range(args.repeats):
-        with_t.append(block(on))
-        without.append(block(off))
+    for i in range(args.repeats):  # alternate which side goes first: no order bias
+        if i % 2 == 0:
+            with_t.append(block(on))
+            without.append(block(off))
+        else:
+            without.append(block(off))
+            with_t.append(block(on))
     on.close(), off.close()
     a, b = statistics.median(with_t), statistics.median(without)
+    pairs = statistics.median(x / y for x, y in zip(with_t, without))
     if pc.rank == 0:
         tokens = args.mbs * args.accum * args.seq * args.dp
         print(f"device {pc.device}, world {pc.world_size} (dp={args.dp} tp={args.tp} "
@@ -98,7 +109,11 @@ def main() -> None:
               f"{args.repeats} x {args.block} steps each")  # fmt: skip
         print(f"step time: telemetry on (rank_stats_interval=10, pipeline_timeline_interval="
               f"{args.timeline}) {a * 1e3:.2f} ms | off {b * 1e3:.2f} ms")  # fmt: skip
-        print(f"ratio on / off: {a / b:.4f} (aim <= 1.02)")
+        print(f"ratio on / off: {a / b:.4f} (aim <= 1.02); median of the paired block "
+              f"ratios: {pairs:.4f}")  # fmt: skip
+        cpu_on, cpu_off = (statistics.median(cpu_times[id(t)][1:]) for t in (on, off))
+        print(f"CPU time per step of this process: on {cpu_on * 1e3:.2f} ms | off "
+              f"{cpu_off * 1e3:.2f} ms | ratio {cpu_on / cpu_off:.4f}")  # fmt: skip
     pc.destroy()
 
 
