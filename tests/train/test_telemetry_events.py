@@ -60,28 +60,30 @@ def test_nonfinite_stop_is_a_critical_event_before_the_failed_end(ingest):
 
 
 def test_throughput_drop_and_preemption_are_events(tmp_path, ingest):
-    cfg = write_config(tmp_path, "pre", 100_000, interval=100_000)
+    # a 10x drop: the load of a shared machine does not make one, a paused step does
+    cfg = write_config(tmp_path, "pre", 100_000, interval=100_000,
+                       logging={"throughput_drop_fraction": 0.1})  # fmt: skip
     run = Torchrun(cfg, env={"NANOTRON_DASHBOARD_URL": ingest.url})
     metrics = tmp_path / "pre.jsonl"
     try:
         workers = run.wait_workers()
         wait_step(metrics, 12, run)
-        for pid in workers.values():  # both ranks paused: one step takes a second more
+        before = max(r["step"] for r in records(metrics))
+        for pid in workers.values():  # both ranks paused: one step takes 1.5 s more
             kill(pid, signal.SIGSTOP)
         time.sleep(1.5)
         for pid in workers.values():
             kill(pid, signal.SIGCONT)
-        paused_after = max(r["step"] for r in records(metrics))
-        wait_step(metrics, paused_after + 4, run)
+        wait_step(metrics, before + 6, run)
         kill(workers[0], signal.SIGTERM)
         assert run.wait() == 0, run.output()[-4000:]
     finally:
         run.kill_all()
-    drops = [e for e in ingest.events("throughput_drop") if e["step"] >= paused_after]
+    drops = [e for e in ingest.events("throughput_drop") if e["step"] > before]
     assert drops, (ingest.events(), run.output()[-3000:])
     slow = next(r for r in records(metrics) if r["step"] == drops[0]["step"])
     assert drops[0]["details"]["tokens_per_sec"] == slow["tokens_per_sec"]
-    assert drops[0]["details"]["ratio"] < 0.5 and drops[0]["severity"] == "warning"
+    assert drops[0]["details"]["ratio"] < 0.1 and drops[0]["severity"] == "warning"
     (pre,) = ingest.events("preemption")
     assert pre["details"]["signal"] == "SIGTERM" or pre["details"]["signal"] is None
     last = max(r["step"] for r in records(metrics))

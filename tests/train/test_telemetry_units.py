@@ -60,14 +60,21 @@ def test_bad_telemetry_keys_are_refused_in_one_line(sections, key, message):
     assert text.startswith(f"cfg.yaml: {key}: ") and message in text and "\n" not in text
 
 
-def test_samples_under_pipeline_parallelism_are_refused():
+@pytest.mark.parametrize(
+    ("parallelism", "refused"),
+    [
+        ({"pp": 2}, "parallelism.pp = 1"),
+        ({"context_parallel_size": 2}, "parallelism.context_parallel_size = 1"),
+    ],
+)
+def test_samples_under_pipeline_or_context_parallelism_are_refused(parallelism, refused):
     raw = raw_config(
-        {"dp": 1, "tp": 1, "pp": 2},
         logging={"sample_prompts": ["x"]},
         tokenizer={"tokenizer_name_or_path": "tok"},
         checkpoints={"checkpoints_path": "ck", "checkpoint_interval": 2},
+        parallelism=parallelism,
     )
-    with pytest.raises(ConfigError, match=r"logging.sample_prompts: samples need parallelism.pp"):
+    with pytest.raises(ConfigError, match=rf"logging.sample_prompts: samples need {refused}"):
         config_from_dict(raw, "cfg.yaml")
 
 
@@ -132,6 +139,7 @@ def test_client_keeps_events_and_bounds_waiting_telemetry():
 LAYOUTS = [
     {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b"},  # v = 2 chunks, m = 2
     {"dp": 1, "tp": 2, "pp": 1},
+    {"dp": 1, "tp": 1, "pp": 1, "cp": 2},
 ]
 
 
@@ -140,6 +148,7 @@ def _losses_and_weights(layout: dict, telemetry: bool):
     from nanotron_train.trainer import Trainer
 
     raw = tiny_config(layout, None, steps=4)
+    raw["parallelism"]["context_parallel_size"] = layout.get("cp", 1)
     if layout.get("engine") == "interleaved-1f1b":
         raw["parallelism"]["pp_virtual_stages"] = 2
         raw["model"]["model_config"]["num_hidden_layers"] = 4
@@ -147,7 +156,7 @@ def _losses_and_weights(layout: dict, telemetry: bool):
         rank_stats_interval=2 if telemetry else 0,
         pipeline_timeline_interval=1 if telemetry else 0,
     )
-    pc = ParallelContext(dp=1, tp=layout["tp"], pp=layout["pp"])
+    pc = ParallelContext(dp=1, tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1))
     try:
         trainer = Trainer(config_from_dict(copy.deepcopy(raw)), pc, stream=io.StringIO())
         records: list[dict] = []
@@ -173,9 +182,11 @@ def _compare_on_rank() -> list:
 
 
 def test_losses_and_weights_bitwise_unchanged_with_telemetry_on():
-    """Interleaved pp=2 (v=2) and tp=2: the same losses and weights with rank stats every 2
+    """Interleaved pp=2 (v=2), tp=2 and cp=2: the same losses and weights with rank stats every 2
     steps and a timeline every step as without; rank 0 measured tp time and chunk spans."""
-    (pp_stats, timeline), (tp_stats, no_timeline) = run_distributed(_compare_on_rank, 2)[0]
+    results = run_distributed(_compare_on_rank, 2)[0]
+    (pp_stats, timeline), (tp_stats, no_timeline), (cp_stats, _) = results
+    assert [(r["cp"], r["dp"], r["tp"], r["pp"]) for r in cp_stats] == [(0, 0, 0, 0), (1, 0, 0, 0)]
     assert no_timeline is None  # pp = 1: no timeline
     assert [r["tp_comm_ms"] > 0 for r in tp_stats] == [True, True]
     assert [r["tp"] for r in tp_stats] == [0, 1] and [r["pp"] for r in pp_stats] == [0, 1]

@@ -81,6 +81,13 @@ def validate_telemetry(cfg: Config, source: str) -> None:
         source,
     )
     _check(
+        par.context_parallel_size == 1,
+        key,
+        f"samples need parallelism.context_parallel_size = 1 (got "
+        f"{par.context_parallel_size}): decoding does not split the sequence",
+        source,
+    )
+    _check(
         par.pp == 1 and par.pp_virtual_stages == 1,
         key,
         f"samples need parallelism.pp = 1 (got pp={par.pp}, pp_virtual_stages="

@@ -2,7 +2,7 @@
 
 Every `logging.pipeline_timeline_interval` steps (pp > 1) the trainer aligns all ranks with a
 barrier, runs the step with a `TimelineRecorder` (nanotron_parallel/pipeline/recorder.py) and
-then gathers the spans of one replica (dp = 0, tp = 0: one rank per stage) to rank 0.
+then gathers the spans of one replica (dp = tp = cp = 0: one rank per stage) to rank 0.
 
 bubble_measured: per stage, 1 - (sum of its span durations) / (the step's span, from the common
 start to the last span's end on any stage), averaged over stages. bubble_formula: the idle share
@@ -31,8 +31,10 @@ def bubble_measured(spans: list[dict], pp: int) -> float:
 
 
 def gather_spans(spans: list[dict] | None, pc) -> list[dict] | None:
-    """Rank 0: every stage's spans (from dp = tp = 0), each with its `stage`; others: None."""
-    mine = spans if pc.dp_rank == 0 and pc.tp_rank == 0 else None
+    """Rank 0: every stage's spans (from dp = tp = cp = 0), each with its `stage`; others:
+    None."""
+    first = pc.dp_rank == 0 and pc.tp_rank == 0 and getattr(pc, "cp_rank", 0) == 0
+    mine = spans if first else None
     got: list | None = [None] * pc.world_size if pc.rank == 0 else None
     dist.gather_object((pc.pp_rank, mine), got, dst=0, group=pc.world_group)
     if got is None:
