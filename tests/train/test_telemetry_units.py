@@ -61,19 +61,21 @@ def test_bad_telemetry_keys_are_refused_in_one_line(sections, key, message):
 
 
 @pytest.mark.parametrize(
-    ("parallelism", "refused"),
+    ("sections", "refused"),
     [
-        ({"pp": 2}, "parallelism.pp = 1"),
-        ({"context_parallel_size": 2}, "parallelism.context_parallel_size = 1"),
+        ({"parallelism": {"pp": 2}}, "parallelism.pp = 1"),
+        ({"parallelism": {"context_parallel_size": 2}}, "parallelism.context_parallel_size = 1"),
+        ({"optimizer": {"zero_stage": 3}}, "optimizer.zero_stage < 3"),
     ],
 )
-def test_samples_under_pipeline_or_context_parallelism_are_refused(parallelism, refused):
+def test_samples_where_decoding_cannot_run_are_refused(sections, refused):
     raw = raw_config(
         logging={"sample_prompts": ["x"]},
         tokenizer={"tokenizer_name_or_path": "tok"},
         checkpoints={"checkpoints_path": "ck", "checkpoint_interval": 2},
-        parallelism=parallelism,
     )
+    for section, values in sections.items():
+        raw[section].update(values)
     with pytest.raises(ConfigError, match=rf"logging.sample_prompts: samples need {refused}"):
         config_from_dict(raw, "cfg.yaml")
 
@@ -140,6 +142,7 @@ LAYOUTS = [
     {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b"},  # v = 2 chunks, m = 2
     {"dp": 1, "tp": 2, "pp": 1},
     {"dp": 1, "tp": 1, "pp": 1, "cp": 2},
+    {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
 ]
 
 
@@ -156,12 +159,13 @@ def _losses_and_weights(layout: dict, telemetry: bool):
         rank_stats_interval=2 if telemetry else 0,
         pipeline_timeline_interval=1 if telemetry else 0,
     )
-    pc = ParallelContext(dp=1, tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1))
+    pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1))
     try:
         trainer = Trainer(config_from_dict(copy.deepcopy(raw)), pc, stream=io.StringIO())
         records: list[dict] = []
         trainer.train(on_record=records.append, every_step=True)
-        weights = [p.detach().clone() for p in trainer.state.model.parameters()]
+        with trainer.grads.full_parameters():  # ZeRO-3: gathered (collective)
+            weights = [p.detach().clone() for p in trainer.state.model.parameters()]
         tm = trainer.telemetry
         return [r["lm_loss"] for r in records], weights, tm.last_rank_stats, tm.last_timeline
     finally:
@@ -182,10 +186,11 @@ def _compare_on_rank() -> list:
 
 
 def test_losses_and_weights_bitwise_unchanged_with_telemetry_on():
-    """Interleaved pp=2 (v=2), tp=2 and cp=2: the same losses and weights with rank stats every 2
+    """Interleaved pp=2 (v=2), tp=2, cp=2 and dp=2 ZeRO-3: the same losses and weights with rank stats every 2
     steps and a timeline every step as without; rank 0 measured tp time and chunk spans."""
     results = run_distributed(_compare_on_rank, 2)[0]
-    (pp_stats, timeline), (tp_stats, no_timeline), (cp_stats, _) = results
+    (pp_stats, timeline), (tp_stats, no_timeline), (cp_stats, _), (z3_stats, _) = results
+    assert [r["dp"] for r in z3_stats] == [0, 1] and all(r["dp_wait_ms"] > 0 for r in z3_stats)
     assert [(r["cp"], r["dp"], r["tp"], r["pp"]) for r in cp_stats] == [(0, 0, 0, 0), (1, 0, 0, 0)]
     assert no_timeline is None  # pp = 1: no timeline
     assert [r["tp_comm_ms"] > 0 for r in tp_stats] == [True, True]

@@ -39,6 +39,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from nanotron_parallel.data_parallel import Bucket
+from nanotron_parallel.phase_timer import comm_span
 from nanotron_parallel.tensor_parallel.functional import _all_gather_tensor
 from nanotron_parallel.zero import ZeroTwoGrads, alloc_storage, free_storage
 
@@ -133,7 +134,7 @@ class ZeroThreeGrads(ZeroTwoGrads):
     def _wait(self, bucket: Bucket) -> None:
         self._gather(bucket)
         if bucket.gather_handle is not None:
-            with record_function("zero3.gather_wait"):
+            with record_function("zero3.gather_wait"), comm_span("dp_gather"):  # telemetry
                 bucket.gather_handle.wait()
             bucket.gather_handle = None
         bucket.gathered = True

@@ -81,6 +81,13 @@ def validate_telemetry(cfg: Config, source: str) -> None:
         source,
     )
     _check(
+        cfg.optimizer.zero_stage < 3,
+        key,
+        "samples need optimizer.zero_stage < 3 (they decode on dp rank 0 alone, and ZeRO-3 "
+        "gathers each block's parameters from every dp rank)",
+        source,
+    )
+    _check(
         par.context_parallel_size == 1,
         key,
         f"samples need parallelism.context_parallel_size = 1 (got "

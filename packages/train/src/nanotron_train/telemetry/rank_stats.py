@@ -6,9 +6,9 @@ the interval's steps) into means and adds its peak memory and utilisation; one
 rank (the only collective of the interval). Who is where (host and dp/tp/pp/cp coordinates)
 is gathered once at start. Rank 0 turns the table into `rank_stats` messages.
 
-compute = the pipeline's forwards and backwards minus the tp collectives and the pp transfers
-inside them; `dp_wait` is the wait for the gradient reduction (and the tied-embedding sum)
-after the last backward; `optimizer` is the norm, clipping, the optimizer step and the ZeRO
+compute = the pipeline's forwards and backwards minus the tp collectives, the pp transfers and
+ZeRO-3's parameter gathers inside them; `dp_wait` is the wait for the gradient reduction (and
+the tied-embedding sum) after the last backward plus those ZeRO-3 gathers; `optimizer` is the norm, clipping, the optimizer step and the ZeRO
 all-gather; `data` the host time to get the micro-batches onto the device. `step` is the wall
 time of the whole step: the shares need not add up to it (bookkeeping, the loss read of a
 logged step).
@@ -93,13 +93,14 @@ def local_row(totals: dict[str, float], steps: int, device, extra: dict) -> list
     def mean(phase: str) -> float:
         return totals.get(phase, 0.0) / n
 
-    inner = mean("tp_comm") + mean("pp_wait")
+    # ZeRO-3's parameter all-gathers wait inside the forwards and backwards: dp time, not compute
+    inner = mean("tp_comm") + mean("pp_wait") + mean("dp_gather")
     values = {
         "step_ms": mean("step"),
         "compute_ms": max(0.0, mean("pipeline") - inner),
         "tp_comm_ms": mean("tp_comm"),
         "pp_wait_ms": mean("pp_wait"),
-        "dp_wait_ms": mean("dp_wait"),
+        "dp_wait_ms": mean("dp_wait") + mean("dp_gather"),
         "optimizer_ms": mean("optimizer"),
         "data_ms": mean("data"),
         "mem_bytes": peak_memory_bytes(device),
