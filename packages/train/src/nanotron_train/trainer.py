@@ -164,8 +164,7 @@ class Trainer:
             # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
             self.state.extra["run_id"] = self.logger.run_id
         # Per-rank stats, stragglers, pipeline timeline, events (telemetry/); rank 0 sends.
-        self.telemetry = Telemetry(cfg, pc, lambda: self.logger)
-        self.fault.watchdog.on_hang = self.telemetry.on_hang
+        self.telemetry = Telemetry(cfg, pc, lambda: self.logger, self.fault.watchdog)
         self.samples = SampleMaker.build(cfg, pc, model)  # None without logging.sample_prompts
 
     def train_step(self) -> StepOutput:
@@ -333,7 +332,7 @@ class Trainer:
                 if stop:
                     self._saved(self.checkpoints.wait())
                     if self.logger is not None:
-                        self.telemetry.preempted(self.state.step, self.fault.preemption.signal_name)
+                        self.telemetry.preempted(self.state.step, self.fault, self.last_saved)
                         self.logger.end_status = "preempted"
                     break
                 if saved:

@@ -26,8 +26,9 @@ from nanotron_train.telemetry.system import CpuMeter, Nvml, SystemMetrics
 
 
 class Telemetry:
-    def __init__(self, cfg, pc, logger_of) -> None:
-        """`logger_of()`: rank 0's MetricsLogger (None elsewhere)."""
+    def __init__(self, cfg, pc, logger_of, watchdog=None) -> None:
+        """`logger_of()`: rank 0's MetricsLogger (None elsewhere); `watchdog`: the hang
+        watchdog, which then reports a stall through `on_hang` before the process exits."""
         lg, par = cfg.logging, cfg.parallelism
         self.pc, self.logger_of = pc, logger_of
         self.interval = lg.rank_stats_interval
@@ -46,6 +47,8 @@ class Telemetry:
         self.system = SystemMetrics(pc.device) if pc.rank == 0 else None
         self.last_rank_stats: list[dict] | None = None  # rank 0: the latest table
         self.last_timeline: dict | None = None
+        if watchdog is not None:
+            watchdog.on_hang = self.on_hang
 
     # --- during the step ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -145,14 +148,21 @@ class Telemetry:
         if isinstance(exc, NonFiniteStop):
             self.events.emit("nonfinite_loss", "critical", str(exc), exc.step, say=False)
 
-    def preempted(self, step: int, signal_name: str | None) -> None:
+    def preempted(self, step: int, fault, saved_step: int | None) -> None:
+        """`fault`: the FaultTolerance, whose preemption knows the signal (on this rank)."""
+        signal_name = fault.preemption.signal_name
         by = f"{signal_name} received" if signal_name else "a rank was signalled"
+        saved = (
+            f"checkpoint saved at step {step}, the run stops (resume it to continue)"
+            if saved_step == step
+            else f"the run stops at step {step} without a checkpoint (no checkpoints_path)"
+        )
         self.events.emit(
             "preemption",
             "warning",
-            f"{by}: checkpoint saved at step {step}, the run stops (resume it to continue)",
+            f"{by}: {saved}",
             step,
-            {"signal": signal_name, "saved_step": step},
+            {"signal": signal_name, "saved_step": saved_step},
         )
 
     def on_hang(self, line: str, details: dict) -> None:
