@@ -9,7 +9,8 @@ cp=2 zero 3 (sharded over the dp x cp group).
 After the last step each rank's parameter, gradient and optimizer bytes are measured and
 compared with the ZeRO formula (fp32 model: P bytes of parameters, P of gradients, 2P of Adam
 moments; stage 2 shards the last two, stage 3 all three). Checkpoints saved at step 3 resume
-under another zero stage and dp size and continue the single-process curve.
+under another zero stage and dp size and continue the single-process curve. The pipeline's
+saved-activation count leaves out ZeRO-3's gathered parameters.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def run_zero_jobs(jobs: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.pipeline import run_pipeline_step
     from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
@@ -60,6 +62,22 @@ def run_zero_jobs(jobs: list[dict]) -> list[dict]:
             )  # fmt: skip
             try:
                 trainer = Trainer(cfg, pc, stream=io.StringIO())
+                saved = None  # bytes autograd saves for two micro-batches (no step taken)
+                if job.get("measure_activations"):
+                    ids = torch.randint(
+                        0, 127, (2, 2, 17), generator=torch.Generator().manual_seed(1)
+                    )
+                    batches = [
+                        {"input_ids": x[:, :-1], "label_ids": x[:, 1:],
+                         "label_mask": torch.ones(2, 16, dtype=torch.bool)}
+                        for x in ids
+                    ]  # fmt: skip
+                    result = run_pipeline_step(
+                        cfg.parallelism.pp_engine, trainer.state.model, batches, pc,
+                        track_activations=True,
+                    )  # fmt: skip
+                    trainer.grads.finish()  # the first training step zeroes the buffers again
+                    saved = result.stats.peak_saved_activation_bytes
                 records: list[dict] = []
                 trainer.train(on_record=records.append)
                 grads = trainer.grads
@@ -90,6 +108,7 @@ def run_zero_jobs(jobs: list[dict]) -> list[dict]:
                     "gathered": gathered,
                     "peak_gathered": peak,
                     "tied_ok": tied_ok,
+                    "saved_activations": saved,
                 }
             )
     return out
@@ -115,11 +134,15 @@ def runs(tmp_path_factory) -> dict:
     single = {"dp": 1, "tp": 1, "pp": 1}
     out = {"single": run_zero_jobs([{"layout": single, "ckpt": str(root / "single")}])[0]}
     jobs = [
-        {"layout": L["z2"], "ckpt": str(root / "z2")},
+        {"layout": L["z2"], "ckpt": str(root / "z2"), "measure_activations": True},
         {"layout": L["z3"], "ckpt": str(root / "z3")},
         # 2 -> 1, 0 (dp 1) -> 3 (dp 2), 3 -> 2
         {"layout": {**L["z2"], "zero": 1}, "resume": str(root / "z2" / str(HALF))},
-        {"layout": L["z3"], "resume": str(root / "single" / str(HALF))},
+        {
+            "layout": {**L["z3"], "recompute": False},
+            "resume": str(root / "single" / str(HALF)),
+            "measure_activations": True,
+        },
         {"layout": L["z2"], "resume": str(root / "z3" / str(HALF))},
         {"layout": L["cp2_z3"]},
     ]
@@ -160,6 +183,13 @@ def test_resume_across_zero_stages_and_dp(runs):
     check_curve(w2[3], tail, "zero 0 dp 1 checkpoint resumed at zero 3 dp 2")
     check_curve(w2[4], tail, "zero 3 checkpoint resumed at zero 2")
     check_curve(runs["resumed_dp1"], tail, "zero 3 dp 2 checkpoint resumed at dp 1")
+
+
+def test_saved_activation_bytes_leave_out_gathered_parameters(runs):
+    """The saved-activation count excludes parameters, also when ZeRO-3 gathers them into
+    memory that moves every step: zero 3 saves what zero 2 saves for the same micro-batches."""
+    z2, z3 = runs["w2"][0][0], runs["w2"][0][3]
+    assert z2["saved_activations"] == z3["saved_activations"] > 0, (z2, z3)
 
 
 def near(have: int, want: float) -> bool:

@@ -62,8 +62,10 @@ class ActivationTracker:
     def __init__(self, stage: nn.Module, measure_bytes: bool = False) -> None:
         self.stats = PipelineStats()
         self.measure_bytes = measure_bytes
-        self._param_ptrs = (
-            {p.untyped_storage().data_ptr() for p in stage.parameters()} if measure_bytes else set()
+        # Storages are told apart by their StorageImpl, not their data pointer: ZeRO-3 releases
+        # and re-allocates parameter memory, which moves the pointer but keeps the storage.
+        self._param_storages = (
+            {_storage_id(p) for p in stage.parameters()} if measure_bytes else set()
         )
         self._bytes_of: dict[Hashable, int] = {}
         self._live_bytes = 0
@@ -87,8 +89,8 @@ class ActivationTracker:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._param_ptrs and ptr not in seen:
+            ptr = _storage_id(t)
+            if ptr not in self._param_storages and ptr not in seen:
                 seen.add(ptr)
                 total += t.untyped_storage().nbytes()
             return t
@@ -99,6 +101,10 @@ class ActivationTracker:
 
     def backward_done(self, i: Hashable) -> None:
         self._live_bytes -= self._bytes_of.pop(i)
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 def accumulate_loss(total: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
