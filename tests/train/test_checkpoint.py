@@ -194,7 +194,7 @@ def test_checkpoint_files_and_listing(runs, capsys):
     )
     assert main(["list", str(root)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[1].split()[:3] == ["6", "384", "2,2,1,1"] and table[2].endswith(
+    assert table[1].split()[:3] == ["6", "384", "2,1,2,1,1"] and table[2].endswith(
         "complete (latest)"
     )
     assert main(["list", str(runs["root"] / "nope")]) == 2

@@ -95,6 +95,7 @@ def layout_config(layout: dict) -> dict:
     par = cfg["parallelism"]
     par.update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
     par["context_parallel_size"] = layout.get("cp", 1)
+    par.update(layout.get("par", {}))  # any other parallelism keys (recompute, async, ...)
     par["pp_engine"] = layout.get("engine", "1f1b")
     par["tp_mode"] = layout.get("mode", "ALL_REDUCE")
     cfg["tokens"]["batch_accumulation_per_replica"] = 4 // layout["dp"]

@@ -78,7 +78,7 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
             cfg = config_from_dict(raw, "test", world_size=None)
             pc = ParallelContext(
                 dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                tensor_collectives=layout.get("tensor_collectives"),
+                tensor_collectives=layout.get("tensor_collectives"), cp=layout.get("cp", 1),
             )  # fmt: skip
             try:
                 trainer = Trainer(cfg, pc, stream=io.StringIO())
@@ -134,12 +134,14 @@ def test_single_process_step_has_no_host_sync():
 def test_two_rank_layouts_step_has_no_host_sync():
     """dp=2 with ZeRO-1 on NCCL's code paths (reduce-scatter, all-gather into one tensor),
     tp=2 sequence parallel with async linears and native reduce-scatter, pp=2 with 1F1B, and
-    interleaved 1F1B (v=2): each message count is the schedule's."""
+    interleaved 1F1B (v=2), context parallel (cp=2, K/V gathered): each message count is the
+    schedule's."""
     layouts = [
         {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "tensor_collectives": True},
         {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "async": True,
          "tensor_collectives": True},
         {"dp": 1, "tp": 1, "pp": 2},
         {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b", "v": 2},
+        {"dp": 1, "tp": 1, "pp": 1, "cp": 2},
     ]  # fmt: skip
     check(layouts, run_distributed(count_step_syncs, 2, copy.deepcopy(layouts), timeout=300))

@@ -87,13 +87,14 @@ def _size(n: int) -> str:
 
 
 def to_table(entries: list[CheckpointEntry]) -> str:
-    lines = [f"{'step':>8}  {'tokens':>12}  {'dp,tp,pp,zero':<14} {'size':>10}  status"]
+    lines = [f"{'step':>8}  {'tokens':>12}  {'dp,cp,tp,pp,zero':<16} {'size':>10}  status"]
     for e in entries:
-        t = e.topology
-        topo = ",".join(str(t.get(k, "?")) for k in ("dp", "tp", "pp", "zero_stage")) if t else "-"
+        t = {"cp": 1, **e.topology}  # cp: 1 before context parallelism was recorded
+        keys = ("dp", "cp", "tp", "pp", "zero_stage")
+        topo = ",".join(str(t.get(k, "?")) for k in keys) if e.topology else "-"
         status = "complete" if e.complete else f"INCOMPLETE: {e.problem}"
         if e.latest:
             status += " (latest)"
         tokens = "-" if e.consumed_tokens is None else str(e.consumed_tokens)
-        lines.append(f"{e.step:>8}  {tokens:>12}  {topo:<14} {_size(e.size):>10}  {status}")
+        lines.append(f"{e.step:>8}  {tokens:>12}  {topo:<16} {_size(e.size):>10}  {status}")
     return "\n".join(lines)
