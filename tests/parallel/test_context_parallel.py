@@ -17,7 +17,7 @@ from nanotron_parallel.context_parallel import (
     split_batch,
     split_sequence,
 )
-from nanotron_parallel.testing import run_distributed
+from nanotron_parallel.testing import run_distributed, shared_default_group
 
 
 def test_chunks_pair_each_with_its_mirror() -> None:
@@ -154,22 +154,24 @@ def saved_bytes_worker(seq: int) -> dict:
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.context_parallel import context_parallel_attention
 
-    pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
     saved: list[int] = []
 
     def pack(t: torch.Tensor):
         saved.append(t.numel() * t.element_size())
         return t
 
-    try:
-        q, k, v, _ = _full_inputs(seq, 4, 2)
-        mine = [split_sequence(t, 0, pc.cp_rank, pc.cp_size).requires_grad_() for t in (q, k, v)]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            context_parallel_attention(*mine, pc.cp_group, _sdpa_kernel)
-        attention = {"saved": sum(saved), "local_qkv": sum(t.numel() * 8 for t in mine)}
-    finally:
-        pc.destroy()
-    return {**attention, "model": model_saved_bytes(256)}
+    with shared_default_group():  # one default group for both contexts
+        pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
+        try:
+            q, k, v, _ = _full_inputs(seq, 4, 2)
+            mine = [split_sequence(t, 0, pc.cp_rank, pc.cp_size) for t in (q, k, v)]
+            mine = [t.requires_grad_() for t in mine]
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                context_parallel_attention(*mine, pc.cp_group, _sdpa_kernel)
+            attention = {"saved": sum(saved), "local_qkv": sum(t.numel() * 8 for t in mine)}
+        finally:
+            pc.destroy()
+        return {**attention, "model": model_saved_bytes(256)}
 
 
 def test_saved_activations_scale_as_one_over_cp(monkeypatch) -> None:
