@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.train.fault_helpers import kill
+from tests.train.fault_helpers import kill, records
 from tests.train.telemetry_helpers import FakeIngest, Torchrun4, telemetry_config
 
 LAYOUT = {"dp": 2, "tp": 1, "pp": 2}
@@ -58,11 +58,11 @@ def launch(tmp_path_factory):
             run.proc.kill()
         ingest.close()
     assert status == 0, run.output()[-4000:]
-    return ingest, run.output()
+    return ingest, run.output(), records(tmp / "run.jsonl")
 
 
 def test_rank_stats_name_every_rank_with_its_coordinates_and_shares(launch):
-    ingest, _ = launch
+    ingest, _, _ = launch
     msgs = ingest.of_type("rank_stats")
     assert [m["step"] for m in msgs] == list(range(INTERVAL, STEPS + 1, INTERVAL))
     for m in msgs:
@@ -84,7 +84,7 @@ def test_rank_stats_name_every_rank_with_its_coordinates_and_shares(launch):
 
 
 def test_a_rank_slowed_from_outside_is_named_a_straggler(launch):
-    ingest, out = launch
+    ingest, out, _ = launch
     events = ingest.events("straggler")
     named = [e for e in events if e["details"]["rank"] == SLOW_RANK]
     assert named, (events, out[-3000:])
@@ -98,7 +98,7 @@ def test_a_rank_slowed_from_outside_is_named_a_straggler(launch):
 
 
 def test_pipeline_timeline_spans_are_complete_and_ordered(launch):
-    ingest, out = launch
+    ingest, out, _ = launch
     msgs = ingest.of_type("pipeline_timeline")
     assert [m["step"] for m in msgs] == list(range(TIMELINE_EVERY, STEPS + 1, TIMELINE_EVERY))
     for m in msgs:
@@ -128,3 +128,14 @@ def test_pipeline_timeline_spans_are_complete_and_ordered(launch):
         assert m["bubble_measured"] == pytest.approx(want_bubble)
         line = f"pipeline timeline at step {m['step']}: bubble {m['bubble_measured']:.3f} measured"
         assert line in out
+
+
+def test_rank0_records_carry_system_metrics(launch):
+    ingest, _, recs = launch
+    assert len(recs) == STEPS
+    for rec in recs[1:]:  # the first may come before the clock ticked (10 ms)
+        assert 0 <= rec["system/cpu_util_pct"] <= 100
+        assert rec["system/rss_bytes"] > 10**7
+        assert "system/gpu_util_pct" not in rec  # no NVML on the CPU
+    sent = {m["step"]: m["values"] for m in ingest.of_type("metrics")}
+    assert sent[STEPS]["system/rss_bytes"] == recs[-1]["system/rss_bytes"]

@@ -207,3 +207,48 @@ def test_losses_and_weights_bitwise_unchanged_with_telemetry_on():
         for mb in (0, 1)
         for k in ("forward", "backward")
     )
+
+
+class _FakeNvml:
+    """The few pynvml calls telemetry/system.py makes, with fixed readings."""
+
+    def __init__(self) -> None:
+        self.opened: list[int] = []
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index: int):
+        self.opened.append(index)
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return type("Rates", (), {"gpu": 87})()
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return type("Mem", (), {"used": 3 * 2**30})()
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        raise RuntimeError("not supported on this board")  # an NVML error: value absent
+
+
+def test_nvml_readings_follow_cuda_visible_devices(monkeypatch):
+    import sys
+
+    from nanotron_train.telemetry.system import Nvml, SystemMetrics
+
+    fake = _FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert Nvml.open(torch.device("cpu")) is None  # only on CUDA
+    nvml = Nvml.open(torch.device("cuda", 1))
+    assert fake.opened == [5]  # CUDA device 1 is the machine's GPU 5
+    assert (nvml.utilization_pct(), nvml.memory_used_bytes(), nvml.power_w()) == (
+        87.0,
+        3 * 2**30,
+        None,
+    )
+    metrics = SystemMetrics(torch.device("cuda", 0))
+    values = metrics.values()
+    assert values["system/gpu_util_pct"] == 87.0 and values["system/gpu_mem_bytes"] == 3 * 2**30
+    assert "system/gpu_power_w" not in values and values["system/rss_bytes"] > 0

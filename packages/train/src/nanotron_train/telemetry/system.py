@@ -38,6 +38,7 @@ class SystemCpuMeter:
 
     def __init__(self) -> None:
         self._last = self._read()
+        self._pct: float | None = None
 
     @staticmethod
     def _read() -> tuple[int, int] | None:
@@ -50,11 +51,14 @@ class SystemCpuMeter:
         return sum(fields) - idle, sum(fields)
 
     def percent(self) -> float | None:
+        """Since the previous reading; the previous value when no clock tick (10 ms) passed."""
         now, last = self._read(), self._last
-        self._last = now
-        if now is None or last is None or now[1] <= last[1]:
+        if now is None or last is None:
             return None
-        return 100.0 * (now[0] - last[0]) / (now[1] - last[1])
+        if now[1] > last[1]:
+            self._pct = 100.0 * (now[0] - last[0]) / (now[1] - last[1])
+            self._last = now
+        return self._pct
 
 
 def rss_bytes() -> int | None:
