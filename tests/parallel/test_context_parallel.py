@@ -186,3 +186,27 @@ def test_saved_activations_scale_as_one_over_cp(monkeypatch) -> None:
         assert res["saved"] == res["local_qkv"] > 0
     two = max(res["model"] for res in results)
     assert 0 < two <= (0.5 + 0.1) * one, (two, one)
+
+
+def test_inference_refuses_a_context_parallel_model(monkeypatch) -> None:
+    """`logits` (generation, evaluation) runs whole sequences, so a model set up for context
+    parallel is refused there in one line instead of attending over a wrong split."""
+    from nanotron_models.config import LlamaConfig, ModelConfigError
+    from nanotron_models.model import build_llama
+    from nanotron_parallel.context import ParallelContext
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    pc = ParallelContext()
+    try:
+        config = LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=64, max_position_embeddings=16,
+        )  # fmt: skip
+        stage = build_llama(config, pc, seed=1)
+        assert stage.logits(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 64)
+        stage.set_context_parallel(pc.cp_group, 2)
+        with pytest.raises(ModelConfigError, match="without context parallel"):
+            stage.logits(torch.zeros(1, 4, dtype=torch.long))
+    finally:
+        pc.destroy()

@@ -211,6 +211,10 @@ class LlamaStage(nn.Module):
         missing = {"embedding", "final_norm", "lm_head"} - set(self.block_names)
         if missing or len(self.decoder) != self.config.num_hidden_layers:
             raise ModelConfigError("LlamaStage.logits needs every block on this stage (pp = 1)")
+        if any(layer.attn.cp_size > 1 for layer in self.decoder.values()):
+            raise ModelConfigError(
+                "LlamaStage.logits runs whole sequences: build the model without context parallel"
+            )
         b, s = input_ids.shape
         tp = self.pc.tp_size
         pad = (-s) % tp if self.tp_mode == TensorParallelLinearMode.REDUCE_SCATTER else 0
