@@ -80,6 +80,7 @@ CP_WORLD4 = [
      "par": {"tp_linear_async_communication": True}},
     {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "tied": False, "par": {"recompute_layer": True}},
     {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "afab"},
+    {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "1f1b", "tied": False},
     {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "interleaved-1f1b",
      "par": {"pp_virtual_stages": 2}},
     {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "zero": 1},
