@@ -80,10 +80,11 @@ def test_samples_where_decoding_cannot_run_are_refused(sections, refused):
         config_from_dict(raw, "cfg.yaml")
 
 
-def _ranks(busy: list[float]) -> list[dict]:
+def _ranks(busy: list[float], stages: list[int] | None = None) -> list[dict]:
+    stages = stages or [0] * len(busy)
     return [
-        {"rank": r, "compute_ms": b * 0.8, "optimizer_ms": b * 0.15, "data_ms": b * 0.05}
-        for r, b in enumerate(busy)
+        {"rank": r, "pp": pp, "compute_ms": b * 0.8, "optimizer_ms": b * 0.15, "data_ms": b * 0.05}
+        for r, (b, pp) in enumerate(zip(busy, stages))
     ]
 
 
@@ -97,6 +98,17 @@ def test_straggler_needs_consecutive_slow_intervals_and_is_reported_once():
     assert found[0]["rank"] == 3 and found[1] == pytest.approx(1.3)
     assert det.observe(slow) == []  # once per episode
     assert StragglerDetector(0.2, 1).observe(_ranks([10])) == []  # one rank: no median
+
+
+def test_stragglers_are_compared_within_their_pipeline_stage():
+    det = StragglerDetector(margin=0.2, intervals=1)
+    # the last stage does more work (lm_head, loss): no straggler for that
+    assert det.observe(_ranks([10, 10, 15, 15], stages=[0, 0, 1, 1])) == []
+    (found,) = det.observe(_ranks([10, 10, 15, 25], stages=[0, 0, 1, 1]))
+    assert found[0]["rank"] == 3 and found[1] == pytest.approx(25 / 20)
+    # stages of one rank: the median of all ranks
+    (found,) = StragglerDetector(0.2, 1).observe(_ranks([10, 10, 14], stages=[0, 1, 2]))
+    assert found[0]["rank"] == 2
 
 
 def test_throughput_drop_against_the_running_median():

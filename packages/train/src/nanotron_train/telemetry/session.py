@@ -113,8 +113,9 @@ class Telemetry:
                 "straggler",
                 "warning",
                 f"rank {place.rank} ({place.coordinates()}, host {place.host}) compute "
-                f"{ratio:.2f}x the median ({busy_ms(entry):.1f} ms vs {median:.1f} ms of "
-                f"compute+optimizer+data per step) for {self.stragglers.intervals} intervals",
+                f"{ratio:.2f}x the median of its stage ({busy_ms(entry):.1f} ms vs {median:.1f} "
+                f"ms of compute+optimizer+data per step) for {self.stragglers.intervals} "
+                "intervals",
                 step,
                 {**place.details(), "ratio": ratio, "busy_ms": busy_ms(entry), "median_ms": median},
             )

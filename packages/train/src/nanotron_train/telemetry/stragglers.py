@@ -3,8 +3,13 @@
 In synchronous training every rank's step takes the same wall time (the others wait for the
 slow one), so step time cannot single a rank out. What differs is the time a rank spends
 working rather than waiting: compute + optimizer + data. A rank is slow in an interval when
-that time exceeds the median over ranks by more than `margin` (a fraction); after `intervals`
-slow intervals in a row it is reported once, and again only after it has recovered.
+that time exceeds the median of its peers by more than `margin` (a fraction); after
+`intervals` slow intervals in a row it is reported once, and again only after it has recovered.
+
+Peers are the ranks of the same pipeline stage (its dp, tp and cp ranks do the same work):
+stages differ in work by design (the last one has the lm_head and the loss), so comparing
+across stages would name a well-partitioned stage. A stage of one rank (dp = tp = cp = 1) is
+compared with the median of all ranks.
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ class StragglerDetector:
         """The (entry, busy / median) of each rank that has just become a straggler."""
         if len(ranks) < 2:
             return []
-        median = statistics.median(busy_ms(e) for e in ranks)
+        overall = statistics.median(busy_ms(e) for e in ranks)
+        stages: dict[int, list[float]] = {}
+        for e in ranks:
+            stages.setdefault(e.get("pp", 0), []).append(busy_ms(e))
         found = []
         for e in ranks:
+            peers = stages[e.get("pp", 0)]
+            median = statistics.median(peers) if len(peers) > 1 else overall
             ratio = busy_ms(e) / median if median > 0 else 1.0
             if ratio > 1.0 + self.margin:
                 self._slow[e["rank"]] = self._slow.get(e["rank"], 0) + 1
