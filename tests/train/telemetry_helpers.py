@@ -48,6 +48,20 @@ class FakeIngest:
     def events(self, kind: str | None = None) -> list[dict]:
         return [e for e in self.of_type("event") if kind is None or e["kind"] == kind]
 
+    def refused(self) -> list[tuple[dict, str]]:
+        """The messages the real dashboard's validator refuses, with its reason (the contract
+        between the two sides, checked with the dashboard's own code)."""
+        from nanotron_dashboard.messages import MessageError, parse_messages
+
+        with self._lock:
+            sent = list(self.messages)
+        out = []
+        for msg in sent:
+            (result,) = parse_messages(json.dumps(msg))
+            if isinstance(result, MessageError):
+                out.append((msg, str(result)))
+        return out
+
     def close(self) -> None:
         self._server.shutdown()
         self._thread.join(timeout=5)

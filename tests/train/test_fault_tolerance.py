@@ -117,6 +117,7 @@ def test_sigstop_of_one_worker_fails_every_rank_naming_it(tmp_path):
         ingest.close()
     out = run.output()
     assert elapsed < timeout + 30, (elapsed, out[-3000:])
+    assert ingest.refused() == []
     (stall,) = ingest.events("stall")
     assert stall["severity"] == "critical" and "collective timeout at step" in stall["message"]
     assert stall["details"]["rank"] == 1 and stall["details"]["ranks"] == [1]

@@ -139,3 +139,10 @@ def test_rank0_records_carry_system_metrics(launch):
         assert "system/gpu_util_pct" not in rec  # no NVML on the CPU
     sent = {m["step"]: m["values"] for m in ingest.of_type("metrics")}
     assert sent[STEPS]["system/rss_bytes"] == recs[-1]["system/rss_bytes"]
+
+
+def test_every_message_passes_the_dashboard_validation(launch):
+    ingest, _, _ = launch
+    kinds = {m["type"] for m in ingest.messages}
+    assert {"rank_stats", "pipeline_timeline", "event", "metrics", "run_end"} <= kinds
+    assert ingest.refused() == []

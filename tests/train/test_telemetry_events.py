@@ -23,6 +23,7 @@ def ingest(monkeypatch):
     monkeypatch.setenv("NANOTRON_DASHBOARD_URL", fake.url)
     yield fake
     fake.close()
+    assert fake.refused() == []  # every message is one the real dashboard accepts
 
 
 def test_nonfinite_steps_and_spikes_are_events(ingest):
