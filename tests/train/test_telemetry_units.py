@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from nanotron_train.config import config_from_dict
 from nanotron_train.config_loader import ConfigError
 from nanotron_train.dashboard_client import DashboardClient
 from nanotron_train.telemetry.events import ThroughputWatch
+from nanotron_train.telemetry.samples import MAX_SAMPLES_JSON_BYTES, fit_samples
 from nanotron_train.telemetry.stragglers import StragglerDetector
 from nanotron_train.telemetry.timeline import bubble_formula, bubble_measured
 from tests.train.test_checkpoint import tiny_config
@@ -44,6 +46,8 @@ def raw_config(layout=ONE, **sections) -> dict:
          "needs tokenizer.tokenizer_name_or_path"),
         ({"logging": {"sample_prompts": [""]}}, "logging.sample_prompts.0", "1 to 4000 characters"),
         ({"logging": {"sample_prompts": ["a"] * 65}}, "logging.sample_prompts", "at most 64"),
+        ({"logging": {"sample_prompts": ["\u00e9" * 4000] * 64}}, "logging.sample_prompts",
+         "over the 262144-byte limit"),
         ({"logging": {"sample_prompts": "abc"}}, "logging.sample_prompts", "expected a list"),
         ({"logging": {"sample_prompts": ["a"]}, "tokenizer": {"tokenizer_name_or_path": "t"}},
          "logging.sample_prompts", "samples are made at each checkpoint"),
@@ -78,6 +82,26 @@ def test_samples_where_decoding_cannot_run_are_refused(sections, refused):
         raw[section].update(values)
     with pytest.raises(ConfigError, match=rf"logging.sample_prompts: samples need {refused}"):
         config_from_dict(raw, "cfg.yaml")
+
+
+def test_samples_of_the_largest_allowed_size_fit_one_dashboard_message():
+    from nanotron_dashboard.messages import parse_messages
+
+    # the largest prompts the config allows (256 KiB as JSON) and long non-ASCII completions
+    prompts = ["\u00e9" * 680] * 64
+    full = ["\u20ac" * 16_000, "ab" * 9000] + ["x\u20acy" * 3000] * 62
+    samples = fit_samples([{"prompt": p, "completion": c} for p, c in zip(prompts, full)])
+    size = len(json.dumps(samples))
+    assert 0.9 * MAX_SAMPLES_JSON_BYTES < size <= MAX_SAMPLES_JSON_BYTES
+    for s, p, c in zip(samples, prompts, full):
+        assert s["prompt"] == p and c.startswith(s["completion"]) and s["completion"]
+    msg = {"type": "samples", "run_id": "r", "step": 2, "time": 1.0, "max_new_tokens": 4096,
+           "samples": samples}  # fmt: skip
+    (parsed,) = parse_messages(json.dumps(msg))
+    assert [s.completion for s in parsed.samples] == [s["completion"] for s in samples]
+    # a short list is left as it is
+    small = [{"prompt": "p", "completion": "c" * 100}]
+    assert fit_samples(small) == small
 
 
 def _ranks(busy: list[float], stages: list[int] | None = None) -> list[dict]:

@@ -4,6 +4,7 @@ throughput drops and samples at checkpoints. The keys live in the `logging` sect
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from nanotron_train.config_loader import ConfigError
@@ -14,6 +15,9 @@ if TYPE_CHECKING:
 MAX_SAMPLE_PROMPTS = 64  # the dashboard's bound on one `samples` message
 MAX_PROMPT_CHARS = 4000
 MAX_SAMPLE_NEW_TOKENS = 4096
+# The prompts travel in every `samples` message (<= 1 MiB at the dashboard): as JSON they may
+# take at most a quarter of it, so the completions keep the rest.
+MAX_PROMPTS_JSON_BYTES = 256 << 10
 
 
 def _check(cond: bool, key: str, message: str, source: str) -> None:
@@ -67,6 +71,14 @@ def validate_telemetry(cfg: Config, source: str) -> None:
             f"must have 1 to {MAX_PROMPT_CHARS} characters, got {len(prompt)}",
             source,
         )
+    size = len(json.dumps(list(prompts)))
+    _check(
+        size <= MAX_PROMPTS_JSON_BYTES,
+        key,
+        f"the prompts take {size} bytes as JSON, over the {MAX_PROMPTS_JSON_BYTES}-byte limit "
+        "(they travel in every samples message)",
+        source,
+    )
     _check(
         bool(cfg.tokenizer.tokenizer_name_or_path),
         key,

@@ -11,6 +11,7 @@ ALL_REDUCE mode: sequence parallelism cannot split one new token over tp).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -19,6 +20,23 @@ import torch
 from nanotron_train.decoding import generate
 
 MAX_COMPLETION_CHARS = 16_000
+# The dashboard refuses a message over 1 MiB; 64 prompts of 4,000 characters with completions of
+# 16,000 would pass that (more so with non-ASCII text, which JSON escapes), so the completions
+# are shortened until the samples fit this budget, leaving room for the envelope.
+MAX_SAMPLES_JSON_BYTES = 960_000
+
+
+def fit_samples(samples: list[dict], budget: int = MAX_SAMPLES_JSON_BYTES) -> list[dict]:
+    """Shorten the longest completion by a quarter until the samples' JSON fits `budget` bytes
+    (the prompts are bounded by the config check). Each completion is cut to at most
+    MAX_COMPLETION_CHARS first."""
+    out = [{**s, "completion": s["completion"][:MAX_COMPLETION_CHARS]} for s in samples]
+    while len(json.dumps(out)) > budget:
+        longest = max(out, key=lambda s: len(s["completion"]))
+        if not longest["completion"]:
+            break
+        longest["completion"] = longest["completion"][: len(longest["completion"]) * 3 // 4]
+    return out
 
 
 class SampleMaker:
@@ -77,9 +95,8 @@ class SampleMaker:
         for prompt, new in zip(self.prompts, res.tokens):
             text_ids = new[:-1] if new and new[-1] == eos else new
             text = self.tok.decode(text_ids).replace("\x00", "")  # the dashboard refuses NUL
-            samples.append(
-                {"prompt": prompt.replace("\x00", ""), "completion": text[:MAX_COMPLETION_CHARS]}
-            )
+            samples.append({"prompt": prompt.replace("\x00", ""), "completion": text})
+        samples = fit_samples(samples)
         took = time.perf_counter() - t0
         print(f"samples at step {step} ({took:.2f} s, greedy):", file=sys.stderr, flush=True)
         for s in samples:
