@@ -101,7 +101,7 @@ class RunEnd(Msg):
 
 # A new message type: a model above with bounded fields, added to this union and handled in
 # writer.Writer._apply.
-Message = Annotated[
+AnyMessage = (
     RunStart
     | Metrics
     | Checkpoint
@@ -110,9 +110,9 @@ Message = Annotated[
     | RankStats
     | PipelineTimeline
     | Event
-    | Samples,
-    Field(discriminator="type"),
-]
+    | Samples
+)
+Message = Annotated[AnyMessage, Field(discriminator="type")]
 _adapter: TypeAdapter[Any] = TypeAdapter(Message)
 
 
@@ -137,19 +137,6 @@ def parse_json(raw: str | bytes) -> Any:
         raise MessageError(
             f"not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels", not_json=True
         ) from None
-
-
-AnyMessage = (
-    RunStart
-    | Metrics
-    | Checkpoint
-    | Heartbeat
-    | RunEnd
-    | RankStats
-    | PipelineTimeline
-    | Event
-    | Samples
-)
 
 
 def _one_line(e: Exception) -> str:
