@@ -1,6 +1,6 @@
-"""Samples at checkpoints: rank 0's replica (here its tp group of 2, trained sequence-parallel)
-continues fixed prompts,
-the dashboard gets them, they equal what `nanotron_train.generate` decodes from the same
+"""Samples at checkpoints: rank 0's replica (its tp group of 2 trained sequence-parallel; its
+2 interleaved pipeline stages; its 2 context-parallel ranks) continues fixed prompts, the
+dashboard gets them, they equal what `nanotron_train.generate` decodes from the same
 checkpoint, and training is bitwise the same as without them (losses, weights, RNG)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from nanotron_parallel.testing import run_distributed, shared_default_group
@@ -26,7 +27,8 @@ def _run(raw: dict) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
     from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
-    pc = ParallelContext(dp=1, tp=2, pp=1)
+    par = raw["parallelism"]
+    pc = ParallelContext(par["dp"], par["tp"], par["pp"], cp=par.get("context_parallel_size", 1))
     try:
         trainer = Trainer(config_from_dict(copy.deepcopy(raw)), pc, stream=io.StringIO())
         records: list[dict] = []
@@ -55,15 +57,25 @@ def _on_rank(raw: dict, off_dir: str, url: str) -> bool:
     return True
 
 
-def test_samples_at_checkpoints_leave_training_bitwise_unchanged(tmp_path):
+LAYOUTS = {
+    # sequence parallel + async linears: decoding switches to ALL_REDUCE and back
+    "tp2-sp": {"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_linear_async_communication": True},
+    # 4 virtual stages over 2 ranks: the hidden state goes 0 -> 1 -> 0 -> 1 each step
+    "pp2-interleaved": {"pp": 2, "pp_engine": "interleaved-1f1b", "pp_virtual_stages": 2},
+    # context parallel is switched off while both cp ranks decode whole sequences
+    "cp2": {"context_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_samples_at_checkpoints_leave_training_bitwise_unchanged(tmp_path, layout):
     from nanotron_train.data.testing import make_tokenizer, tiny_texts
     from nanotron_train.generate import main as generate_main
 
     tok = make_tokenizer(tmp_path / "tok", tiny_texts(60), vocab_size=300)
-    raw = tiny_config({"dp": 1, "tp": 2, "pp": 1}, str(tmp_path / "ck"), steps=STEPS)
-    raw["model"]["model_config"]["vocab_size"] = 300
-    # sequence parallel + async linears: decoding switches to ALL_REDUCE and back
-    raw["parallelism"].update(tp_mode="REDUCE_SCATTER", tp_linear_async_communication=True)
+    raw = tiny_config({"dp": 1, "tp": 1, "pp": 1}, str(tmp_path / "ck"), steps=STEPS)
+    raw["model"]["model_config"].update(vocab_size=300, num_hidden_layers=4)
+    raw["parallelism"].update(LAYOUTS[layout])
     raw["tokenizer"] = {"tokenizer_name_or_path": str(tok)}
     raw["checkpoints"]["checkpoint_interval"] = 2
     raw["logging"].update(sample_prompts=PROMPTS, sample_max_new_tokens=MAX_NEW)

@@ -66,11 +66,7 @@ def test_bad_telemetry_keys_are_refused_in_one_line(sections, key, message):
 
 @pytest.mark.parametrize(
     ("sections", "refused"),
-    [
-        ({"parallelism": {"pp": 2}}, "parallelism.pp = 1"),
-        ({"parallelism": {"context_parallel_size": 2}}, "parallelism.context_parallel_size = 1"),
-        ({"optimizer": {"zero_stage": 3}}, "optimizer.zero_stage < 3"),
-    ],
+    [({"optimizer": {"zero_stage": 3}}, "optimizer.zero_stage < 3")],
 )
 def test_samples_where_decoding_cannot_run_are_refused(sections, refused):
     raw = raw_config(
@@ -82,6 +78,27 @@ def test_samples_where_decoding_cannot_run_are_refused(sections, refused):
         raw[section].update(values)
     with pytest.raises(ConfigError, match=rf"logging.sample_prompts: samples need {refused}"):
         config_from_dict(raw, "cfg.yaml")
+
+
+@pytest.mark.parametrize(
+    "parallelism",
+    [
+        {"pp": 2},
+        {"pp": 2, "pp_engine": "interleaved-1f1b", "pp_virtual_stages": 2},
+        {"context_parallel_size": 2},
+    ],
+)
+def test_samples_are_accepted_with_pipeline_and_context_parallel(parallelism):
+    raw = raw_config(
+        logging={"sample_prompts": ["x"]},
+        tokenizer={"tokenizer_name_or_path": "tok"},
+        checkpoints={"checkpoints_path": "ck", "checkpoint_interval": 2},
+    )
+    raw["parallelism"].update(parallelism)
+    raw["model"]["model_config"]["num_hidden_layers"] = 4  # 4 virtual stages
+    cfg = config_from_dict(raw, "cfg.yaml")  # decoding is pipelined / runs with cp off
+    assert cfg.logging.sample_prompts == ["x"]
+    assert all(getattr(cfg.parallelism, k) == v for k, v in parallelism.items())
 
 
 def test_samples_of_the_largest_allowed_size_fit_one_dashboard_message():

@@ -215,6 +215,22 @@ class LlamaStage(nn.Module):
             raise ModelConfigError(
                 "LlamaStage.logits runs whole sequences: build the model without context parallel"
             )
+        s = input_ids.shape[1]
+        batch = self.decoding_batch(input_ids, position_ids, key_mask)
+        full = self.gather_logits(self.decode_blocks(None, batch, kv_cache))
+        if kv_cache is not None:
+            kv_cache.commit(s)
+        return full.transpose(0, 1)[:, :s]
+
+    def decoding_batch(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> Batch:
+        """The batch `decode_blocks` reads. In REDUCE_SCATTER mode the new tokens are
+        right-padded to a multiple of tp (causality keeps the real tokens exact; the caller
+        commits only the real ones to the cache)."""
         b, s = input_ids.shape
         tp = self.pc.tp_size
         pad = (-s) % tp if self.tp_mode == TensorParallelLinearMode.REDUCE_SCATTER else 0
@@ -229,14 +245,31 @@ class LlamaStage(nn.Module):
             batch["position_ids"] = position_ids
         if key_mask is not None:
             batch["key_mask"] = key_mask
-        x = self.embedding(None, batch)
-        for layer in self.decoder.values():
-            x = layer(x, batch, kv_cache=kv_cache)
-        x = self.lm_head(self.final_norm(x))
-        full = gather_from_tp(x, self.pc.tp_group, dim=-1)[..., : self.config.vocab_size]
-        if kv_cache is not None:
-            kv_cache.commit(s)
-        return full.transpose(0, 1)[:, :s]
+        return batch
+
+    @torch.no_grad()
+    def decode_blocks(
+        self, x: torch.Tensor | None, batch: Batch, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        """This stage's blocks but the loss, for decoding: token ids (x None, from `batch`) or
+        the previous stage's hidden state in; a hidden state, or the lm_head's logit shard
+        when the stage holds it, out. The caller commits the new tokens to `kv_cache` once
+        every stage of the step ran."""
+        for name in self.block_names:
+            if name == "loss":
+                continue
+            block = self.block(name)
+            if isinstance(block, DecoderLayer):
+                x = block(x, batch, kv_cache=kv_cache)
+            else:
+                x = block(x, batch)
+        assert x is not None
+        return x
+
+    def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
+        """Full logits [s, b, vocab] from the lm_head's shard (gathered over tp, vocab padding
+        dropped)."""
+        return gather_from_tp(shard, self.pc.tp_group, dim=-1)[..., : self.config.vocab_size]
 
 
 def _checkpointed(layer: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:

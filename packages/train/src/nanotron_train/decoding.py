@@ -1,4 +1,5 @@
-"""Batched decoding of prompts of different lengths with the KV cache (pp = 1, any tp).
+"""Batched decoding of prompts of different lengths with the KV cache (any tp; a model split
+over pp stages or interleaved chunks runs each step through pipelined_decoding.py).
 
 Prompts are left-padded to one length. Each sequence keeps its own positions (0 at its first
 real token, as Hugging Face computes them from the attention mask) and a key mask hides the
@@ -46,6 +47,25 @@ def _agree_over_tp(tokens: torch.Tensor, pc) -> torch.Tensor:
     return tokens
 
 
+def holds_whole_model(stage) -> bool:
+    """Whether `stage` is one LlamaStage with every block (pp = 1, no virtual chunks)."""
+    names = set(getattr(stage, "block_names", ()))
+    return (
+        not hasattr(stage, "chunks")
+        and {"embedding", "final_norm", "lm_head"} <= names
+        and len(stage.decoder) == stage.config.num_hidden_layers
+    )
+
+
+def _one_stage_step(stage):
+    """The decoding step of a model held whole: logits of the new tokens, then `pick`."""
+
+    def step(new, positions, cache, key_mask, pick):
+        return pick(stage.logits(new, positions, cache, key_mask)[:, -1])
+
+    return step
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -75,7 +95,9 @@ def generate(
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
 ) -> GenerationResult:
-    """Continue every prompt (token ids) in one batch; collective over the tp group.
+    """Continue every prompt (token ids) in one batch; collective over the tp group (and the
+    pp group when `stage` is one pipeline stage or StageChunks: every rank of the replica
+    calls it with the same arguments and gets the same result).
 
     Stops a row at EOS (kept in its output) and the batch when every row stopped or after
     `max_new_tokens`. Greedy when `sampling` is None or its temperature is 0.
@@ -100,14 +122,23 @@ def generate(
     out = [[] for _ in prompts]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     result = GenerationResult(out, prompt_tokens=sum(len(p) for p in prompts))
+    if holds_whole_model(stage):
+        forward_step = _one_stage_step(stage)
+    else:
+        from nanotron_train.pipelined_decoding import pipelined_step
+
+        forward_step = pipelined_step(stage)
+
+    def pick(last_logits: torch.Tensor) -> torch.Tensor:  # [b, vocab] -> [b] token ids
+        return _agree_over_tp(next_tokens(last_logits, sampling, generator), stage.pc)
+
     new, start = ids, 0
     _sync(device)
     t0 = time.perf_counter()
     for step in range(max_new_tokens):
         end = start + new.shape[1]
         # key_mask [b, cache.offset + s] is True at real tokens, False at left padding
-        logits = stage.logits(new, positions[:, start:end], cache, key_mask[:, :end])
-        token = _agree_over_tp(next_tokens(logits[:, -1], sampling, generator), stage.pc)
+        token = forward_step(new, positions[:, start:end], cache, key_mask[:, :end], pick)
         if eos_token_id is not None:
             token = token.masked_fill(done, eos_token_id)
         added = 0

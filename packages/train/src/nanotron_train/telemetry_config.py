@@ -26,7 +26,7 @@ def _check(cond: bool, key: str, message: str, source: str) -> None:
 
 
 def validate_telemetry(cfg: Config, source: str) -> None:
-    lg, par = cfg.logging, cfg.parallelism
+    lg = cfg.logging
     for key in ("rank_stats_interval", "pipeline_timeline_interval"):
         value = getattr(lg, key)
         _check(value >= 0, f"logging.{key}", f"must be >= 0 (0 = off), got {value}", source)
@@ -97,20 +97,5 @@ def validate_telemetry(cfg: Config, source: str) -> None:
         key,
         "samples need optimizer.zero_stage < 3 (they decode on dp rank 0 alone, and ZeRO-3 "
         "gathers each block's parameters from every dp rank)",
-        source,
-    )
-    _check(
-        par.context_parallel_size == 1,
-        key,
-        f"samples need parallelism.context_parallel_size = 1 (got "
-        f"{par.context_parallel_size}): decoding does not split the sequence",
-        source,
-    )
-    _check(
-        par.pp == 1 and par.pp_virtual_stages == 1,
-        key,
-        f"samples need parallelism.pp = 1 (got pp={par.pp}, pp_virtual_stages="
-        f"{par.pp_virtual_stages}): decoding is not pipelined; use "
-        "`python -m nanotron_train.generate` on a checkpoint instead",
         source,
     )

@@ -1,11 +1,13 @@
 """Samples at checkpoints: rank 0's replica continues fixed prompts, greedily, with the KV cache.
 
-When `logging.sample_prompts` is set, every checkpoint the ranks of dp rank 0 (its tp group;
-pp must be 1, checked with the config) decode the prompts in one batch with
-`decoding.generate` (nanotron_train/decoding.py), and rank 0 logs them and sends a `samples`
-message. Training is unchanged by it, bitwise: no gradient is made (no_grad), no RNG state
+When `logging.sample_prompts` is set, every checkpoint the ranks of dp rank 0 (its tp and pp
+groups; with pp > 1 the steps are pipelined, pipelined_decoding.py; every cp rank decodes the
+whole sequences alike, context parallel switched off meanwhile) decode the prompts in one
+batch with `decoding.generate` (nanotron_train/decoding.py), and rank 0 logs them and sends a
+`samples` message. Training is unchanged by it, bitwise: no gradient is made (no_grad), no RNG state
 moves (greedy decoding draws nothing; `fork_rng` restores the generators anyway), the
-parameters are only read, and the tp mode the model trains in is put back (decoding runs in
+parameters are only read, and the tp mode and context parallel the model trains with are
+put back (decoding runs in
 ALL_REDUCE mode: sequence parallelism cannot split one new token over tp).
 """
 
@@ -18,6 +20,7 @@ import time
 import torch
 
 from nanotron_train.decoding import generate
+from nanotron_train.pipelined_decoding import stage_chunks
 
 MAX_COMPLETION_CHARS = 16_000
 # The dashboard refuses a message over 1 MiB; 64 prompts of 4,000 characters with completions of
@@ -69,26 +72,38 @@ class SampleMaker:
             raise ValueError(f"logging.sample_prompts: {exc}") from None
         return cls(cfg, pc, model, tok)
 
+    def _decoding_layout(self, decoding: bool) -> None:
+        """Switch every chunk to the decoding layout (ALL_REDUCE, no context parallel: each cp
+        rank decodes whole sequences, identically) or back to the training one."""
+        par, pc = self.cfg.parallelism, self.pc
+        for chunk in stage_chunks(self.model):
+            if decoding:
+                chunk.set_tp_mode("ALL_REDUCE", False, pc.tensor_collectives, False)
+            else:
+                chunk.set_tp_mode(
+                    par.tp_mode,
+                    par.tp_linear_async_communication,
+                    pc.tensor_collectives,
+                    par.tp_recompute_allgather,
+                )
+            if pc.cp_size > 1:
+                group, size = (None, 1) if decoding else (pc.cp_group, pc.cp_size)
+                chunk.set_context_parallel(group, size, pc.tensor_collectives)
+
     def make(self, step: int, logger) -> list[dict] | None:
         """Decode on the ranks of dp rank 0 (collective over their tp group); rank 0 logs and
         sends the samples. Returns them on rank 0."""
         if self.pc.dp_rank != 0:
             return None
-        par = self.cfg.parallelism
         model, eos = self.model, self.tok.eos_token_id
         devices = [self.pc.device] if self.pc.device.type == "cuda" else []
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.set_tp_mode("ALL_REDUCE", False, self.pc.tensor_collectives, False)
+            self._decoding_layout(True)
             try:
                 res = generate(model, self.ids, self.max_new, eos_token_id=eos, pad_token_id=eos)
-            finally:  # back to the training layout
-                model.set_tp_mode(
-                    par.tp_mode,
-                    par.tp_linear_async_communication,
-                    self.pc.tensor_collectives,
-                    par.tp_recompute_allgather,
-                )
+            finally:
+                self._decoding_layout(False)
         if self.pc.rank != 0:
             return None
         samples = []
