@@ -33,7 +33,8 @@ def _run(raw: dict) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
         trainer = Trainer(config_from_dict(copy.deepcopy(raw)), pc, stream=io.StringIO())
         records: list[dict] = []
         trainer.train(on_record=records.append, every_step=True)
-        weights = [p.detach().clone() for p in trainer.state.model.parameters()]
+        with trainer.grads.full_parameters():  # ZeRO-3: gathered over dp (collective)
+            weights = [p.detach().clone() for p in trainer.state.model.parameters()]
         return [r["lm_loss"] for r in records], weights, torch.get_rng_state()
     finally:
         pc.destroy()
@@ -57,13 +58,19 @@ def _on_rank(raw: dict, off_dir: str, url: str) -> bool:
     return True
 
 
-LAYOUTS = {
+LAYOUTS = {  # section -> keys set on the tiny config
     # sequence parallel + async linears: decoding switches to ALL_REDUCE and back
-    "tp2-sp": {"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_linear_async_communication": True},
+    "tp2-sp": {
+        "parallelism": {"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_linear_async_communication": True}
+    },
     # 4 virtual stages over 2 ranks: the hidden state goes 0 -> 1 -> 0 -> 1 each step
-    "pp2-interleaved": {"pp": 2, "pp_engine": "interleaved-1f1b", "pp_virtual_stages": 2},
+    "pp2-interleaved": {
+        "parallelism": {"pp": 2, "pp_engine": "interleaved-1f1b", "pp_virtual_stages": 2}
+    },
     # context parallel is switched off while both cp ranks decode whole sequences
-    "cp2": {"context_parallel_size": 2},
+    "cp2": {"parallelism": {"context_parallel_size": 2}},
+    # both dp ranks gather the ZeRO-3 shards, dp rank 0 decodes alone
+    "zero3-dp2": {"parallelism": {"dp": 2}, "optimizer": {"zero_stage": 3}},
 }
 
 
@@ -75,7 +82,8 @@ def test_samples_at_checkpoints_leave_training_bitwise_unchanged(tmp_path, layou
     tok = make_tokenizer(tmp_path / "tok", tiny_texts(60), vocab_size=300)
     raw = tiny_config({"dp": 1, "tp": 1, "pp": 1}, str(tmp_path / "ck"), steps=STEPS)
     raw["model"]["model_config"].update(vocab_size=300, num_hidden_layers=4)
-    raw["parallelism"].update(LAYOUTS[layout])
+    for section, values in LAYOUTS[layout].items():
+        raw[section].update(values)
     raw["tokenizer"] = {"tokenizer_name_or_path": str(tok)}
     raw["checkpoints"]["checkpoint_interval"] = 2
     raw["logging"].update(sample_prompts=PROMPTS, sample_max_new_tokens=MAX_NEW)

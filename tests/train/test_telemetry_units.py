@@ -65,30 +65,15 @@ def test_bad_telemetry_keys_are_refused_in_one_line(sections, key, message):
 
 
 @pytest.mark.parametrize(
-    ("sections", "refused"),
-    [({"optimizer": {"zero_stage": 3}}, "optimizer.zero_stage < 3")],
-)
-def test_samples_where_decoding_cannot_run_are_refused(sections, refused):
-    raw = raw_config(
-        logging={"sample_prompts": ["x"]},
-        tokenizer={"tokenizer_name_or_path": "tok"},
-        checkpoints={"checkpoints_path": "ck", "checkpoint_interval": 2},
-    )
-    for section, values in sections.items():
-        raw[section].update(values)
-    with pytest.raises(ConfigError, match=rf"logging.sample_prompts: samples need {refused}"):
-        config_from_dict(raw, "cfg.yaml")
-
-
-@pytest.mark.parametrize(
-    "parallelism",
+    ("parallelism", "zero_stage"),
     [
-        {"pp": 2},
-        {"pp": 2, "pp_engine": "interleaved-1f1b", "pp_virtual_stages": 2},
-        {"context_parallel_size": 2},
+        ({"pp": 2}, 0),
+        ({"pp": 2, "pp_engine": "interleaved-1f1b", "pp_virtual_stages": 2}, 0),
+        ({"context_parallel_size": 2}, 0),
+        ({"dp": 2}, 3),
     ],
 )
-def test_samples_are_accepted_with_pipeline_and_context_parallel(parallelism):
+def test_samples_are_accepted_with_every_layout(parallelism, zero_stage):
     raw = raw_config(
         logging={"sample_prompts": ["x"]},
         tokenizer={"tokenizer_name_or_path": "tok"},
@@ -96,8 +81,10 @@ def test_samples_are_accepted_with_pipeline_and_context_parallel(parallelism):
     )
     raw["parallelism"].update(parallelism)
     raw["model"]["model_config"]["num_hidden_layers"] = 4  # 4 virtual stages
-    cfg = config_from_dict(raw, "cfg.yaml")  # decoding is pipelined / runs with cp off
-    assert cfg.logging.sample_prompts == ["x"]
+    raw["optimizer"]["zero_stage"] = zero_stage
+    # decoding is pipelined / runs with cp off / runs on gathered ZeRO-3 parameters
+    cfg = config_from_dict(raw, "cfg.yaml")
+    assert cfg.logging.sample_prompts == ["x"] and cfg.optimizer.zero_stage == zero_stage
     assert all(getattr(cfg.parallelism, k) == v for k, v in parallelism.items())
 
 

@@ -74,6 +74,7 @@ class ZeroThreeGrads(ZeroTwoGrads):
             if unit.buckets:
                 self.units.append(unit)
         self._callback_queued = False
+        self._all_full = False  # inside full_parameters(): the block hooks stand aside
         for index, unit in enumerate(self.units):
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(index)))
             self._hooks.append(unit.module.register_forward_hook(self._post_forward(index)))
@@ -154,6 +155,8 @@ class ZeroThreeGrads(ZeroTwoGrads):
 
     def _pre_forward(self, index: int):
         def hook(module, args):
+            if self._all_full:  # a forward inside full_parameters() (samples' decoding)
+                return
             unit = self.units[index]
             for bucket in unit.buckets:
                 self._wait(bucket)
@@ -166,6 +169,8 @@ class ZeroThreeGrads(ZeroTwoGrads):
 
     def _post_forward(self, index: int):
         def hook(module, args, output):
+            if self._all_full:
+                return
             unit = self.units[index]
             if any(b.in_backward for b in unit.buckets):  # recompute inside the backward
                 return
@@ -214,7 +219,8 @@ class ZeroThreeGrads(ZeroTwoGrads):
     def full_parameters(self) -> Iterator[None]:
         """Every parameter full, in temporary buffers (a checkpoint's numpy views would pin
         `param_full`'s memory: it could never be released again); on exit the values go back
-        to the shards and the parameters to their released views."""
+        to the shards and the parameters to their released views. Forwards run inside it
+        gather and release nothing, so one dp rank may run them alone (samples decode so)."""
         temporary = []
         for bucket in self.buckets:
             self._release(bucket)
@@ -228,9 +234,11 @@ class ZeroThreeGrads(ZeroTwoGrads):
             for p, view in zip(bucket.params, self._views(bucket, full)):
                 p.data = view
             temporary.append(full)
+        self._all_full = True
         try:
             yield
         finally:
+            self._all_full = False
             with torch.no_grad():
                 for bucket, full in zip(self.buckets, temporary):
                     lo, hi = self.owned_span(bucket)

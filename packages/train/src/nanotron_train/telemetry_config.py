@@ -92,10 +92,3 @@ def validate_telemetry(cfg: Config, source: str) -> None:
         "checkpoints.checkpoint_interval",
         source,
     )
-    _check(
-        cfg.optimizer.zero_stage < 3,
-        key,
-        "samples need optimizer.zero_stage < 3 (they decode on dp rank 0 alone, and ZeRO-3 "
-        "gathers each block's parameters from every dp rank)",
-        source,
-    )

@@ -165,7 +165,8 @@ class Trainer:
             self.state.extra["run_id"] = self.logger.run_id
         # Per-rank stats, stragglers, pipeline timeline, events (telemetry/); rank 0 sends.
         self.telemetry = Telemetry(cfg, pc, lambda: self.logger, self.fault.watchdog)
-        self.samples = SampleMaker.build(cfg, pc, model)  # None without logging.sample_prompts
+        # None without logging.sample_prompts; ZeRO-3 gathers the parameters through grads
+        self.samples = SampleMaker.build(cfg, pc, model, self.grads)
 
     def train_step(self) -> StepOutput:
         """One optimizer step. Nothing in it waits for the device, except on a step that will be

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -43,8 +44,9 @@ def fit_samples(samples: list[dict], budget: int = MAX_SAMPLES_JSON_BYTES) -> li
 
 
 class SampleMaker:
-    def __init__(self, cfg, pc, model, tokenizer) -> None:
+    def __init__(self, cfg, pc, model, tokenizer, grads=None) -> None:
         self.cfg, self.pc, self.model, self.tok = cfg, pc, model, tokenizer
+        self.grads = grads  # ZeRO-3: full_parameters() gathers the model for the decoding
         self.prompts = list(cfg.logging.sample_prompts)
         self.max_new = cfg.logging.sample_max_new_tokens
         eos = tokenizer.eos_token_id
@@ -60,7 +62,7 @@ class SampleMaker:
             )
 
     @classmethod
-    def build(cls, cfg, pc, model) -> SampleMaker | None:
+    def build(cls, cfg, pc, model, grads=None) -> SampleMaker | None:
         if not cfg.logging.sample_prompts:
             return None
         from nanotron_train.data import DataError, load_tokenizer
@@ -70,7 +72,7 @@ class SampleMaker:
             tok = load_tokenizer(tk.tokenizer_name_or_path, tk.tokenizer_revision)
         except DataError as exc:
             raise ValueError(f"logging.sample_prompts: {exc}") from None
-        return cls(cfg, pc, model, tok)
+        return cls(cfg, pc, model, tok, grads)
 
     def _decoding_layout(self, decoding: bool) -> None:
         """Switch every chunk to the decoding layout (ALL_REDUCE, no context parallel: each cp
@@ -91,10 +93,16 @@ class SampleMaker:
                 chunk.set_context_parallel(group, size, pc.tensor_collectives)
 
     def make(self, step: int, logger) -> list[dict] | None:
-        """Decode on the ranks of dp rank 0 (collective over their tp group); rank 0 logs and
-        sends the samples. Returns them on rank 0."""
-        if self.pc.dp_rank != 0:
-            return None
+        """Called on every rank. Decode on the ranks of dp rank 0 (collective over their tp
+        and pp groups); rank 0 logs and sends the samples. Returns them on rank 0. Under
+        ZeRO-3 every rank first takes part in gathering the parameters (over dp)."""
+        full = self.grads.full_parameters() if self.grads is not None else nullcontext()
+        with full:
+            if self.pc.dp_rank != 0:
+                return None
+            return self._make(step, logger)
+
+    def _make(self, step: int, logger) -> list[dict] | None:
         model, eos = self.model, self.tok.eos_token_id
         devices = [self.pc.device] if self.pc.device.type == "cuda" else []
         t0 = time.perf_counter()
