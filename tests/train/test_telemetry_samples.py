@@ -1,6 +1,6 @@
 """Samples at checkpoints: rank 0's replica (its tp group of 2 trained sequence-parallel; its
-2 interleaved pipeline stages; its 2 context-parallel ranks) continues fixed prompts, the
-dashboard gets them, they equal what `nanotron_train.generate` decodes from the same
+2 interleaved pipeline stages of tp 2; its 2 context-parallel ranks; dp rank 0 of 2 under
+ZeRO-3) continues fixed prompts, the dashboard gets them, they equal what `nanotron_train.generate` decodes from the same
 checkpoint, and training is bitwise the same as without them (losses, weights, RNG)."""
 
 from __future__ import annotations
@@ -63,9 +63,16 @@ LAYOUTS = {  # section -> keys set on the tiny config
     "tp2-sp": {
         "parallelism": {"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_linear_async_communication": True}
     },
-    # 4 virtual stages over 2 ranks: the hidden state goes 0 -> 1 -> 0 -> 1 each step
-    "pp2-interleaved": {
-        "parallelism": {"pp": 2, "pp_engine": "interleaved-1f1b", "pp_virtual_stages": 2}
+    # world 4: 4 virtual stages over 2 pp ranks (the hidden state goes 0 -> 1 -> 0 -> 1 each
+    # step), each stage split over tp = 2 and trained sequence-parallel
+    "pp2-interleaved-tp2": {
+        "parallelism": {
+            "pp": 2,
+            "pp_engine": "interleaved-1f1b",
+            "pp_virtual_stages": 2,
+            "tp": 2,
+            "tp_mode": "REDUCE_SCATTER",
+        }
     },
     # context parallel is switched off while both cp ranks decode whole sequences
     "cp2": {"parallelism": {"context_parallel_size": 2}},
@@ -90,7 +97,9 @@ def test_samples_at_checkpoints_leave_training_bitwise_unchanged(tmp_path, layou
     ingest = FakeIngest()
     try:
         off_dir = str(tmp_path / "ck-off")
-        assert run_distributed(_on_rank, 2, raw, off_dir, ingest.url) == [True, True]
+        par = raw["parallelism"]
+        world = par["dp"] * par["tp"] * par["pp"] * par.get("context_parallel_size", 1)
+        assert run_distributed(_on_rank, world, raw, off_dir, ingest.url) == [True] * world
     finally:
         ingest.close()
     assert ingest.refused() == []  # the real dashboard accepts every message
