@@ -192,7 +192,7 @@ def test_bad_inputs_are_one_line_errors_with_status_2(hf_dir, tmp_path, capsys):
     assert "already exists" in _error_line(capsys)
     # Layouts generate cannot run; a config that describes another model.
     assert generate(["--ckpt-path", str(ckpt), "--prompt", "x", "--pp", "2"]) == 2
-    assert "pipelined decoding is not supported" in _error_line(capsys)
+    assert "--pp 2 must divide the number of processes (1)" in _error_line(capsys)
     assert generate(["--ckpt-path", str(ckpt), "--prompt", "x", "--tp", "2"]) == 2
     assert "nproc_per_node=2" in _error_line(capsys)
     cfg = _finetune_config(ckpt, 1)

@@ -96,7 +96,7 @@ def test_generate_prints_and_matches_unbatched_decoding(trained, capsys):
 
     assert main([*trained["args"][:4], "--prompt", "def"]) == 0
     out = capsys.readouterr().out
-    assert "=== [0] prompt" in out and "continuation" in out and "tokens/s (tp=1)" in out
+    assert "=== [0] prompt" in out and "continuation" in out and "tokens/s (tp=1, pp=1)" in out
     report = trained["tp1"]
     assert [r["prompt"] for r in report["results"]] == PROMPTS
     assert report["decode_tokens"] > 0 and report["decode_tokens_per_s"] > 0
@@ -155,7 +155,7 @@ def test_hf_export_loads_in_transformers_with_same_logits_and_greedy_tokens(trai
 
 
 def _tp2_job(args: list[str], out_json: str, ckpt: str) -> list[int]:
-    """On each of 2 ranks: the generate command at tp=2, then seeded sampling."""
+    """On each of 2 ranks: the generate command at tp=2 and at pp=2, then seeded sampling."""
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
@@ -166,6 +166,7 @@ def _tp2_job(args: list[str], out_json: str, ckpt: str) -> list[int]:
 
     dist.init_process_group("gloo", init_method="env://")
     assert main([*args, "--tp", "2", "--output-json", out_json]) == 0
+    assert main([*args, "--pp", "2", "--output-json", out_json.replace("tp2", "pp2")]) == 0
     pc = ParallelContext(tp=2)
     model = load_model(open_checkpoint(ckpt), pc)
     sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=3)
@@ -188,6 +189,11 @@ def test_tp2_generate_equals_tp1_and_sampling_agrees_on_ranks(trained):
     tp2 = json.loads(out_json.read_text())
     assert tp2["tp"] == 2
     assert [r["new_ids"] for r in tp2["results"]] == [
+        r["new_ids"] for r in trained["tp1"]["results"]
+    ]
+    pp2 = json.loads((trained["root"] / "pp2.json").read_text())  # pipelined decoding
+    assert (pp2["tp"], pp2["pp"]) == (1, 2)
+    assert [r["new_ids"] for r in pp2["results"]] == [
         r["new_ids"] for r in trained["tp1"]["results"]
     ]
     assert ranks[0] == ranks[1] and len(ranks[0]) == 24

@@ -1,6 +1,7 @@
 """`torchrun --nproc_per_node=N -m nanotron_train.generate --ckpt-path CKPT --prompt TEXT ...`
 
-Loads a checkpoint (saved in any layout) at tp = N, pp = 1, encodes the prompts with the
+Loads a checkpoint (saved in any layout) at tp = N / pp (`--pp`, default 1: with more, each
+step is pipelined over the stages, nanotron_train/pipelined_decoding.py), encodes the prompts with the
 checkpoint's tokenizer, decodes them in one left-padded batch with the KV cache (greedy at
 temperature 0, else top-k / top-p sampling from --seed), prints each prompt and its
 continuation, then the decode speed. `python -m nanotron_train.generate ...` runs one process.
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: all ranks)")
-    p.add_argument("--pp", type=int, default=1, help="only 1: decoding is not pipelined")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the processes are pp x tp)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the training dtype")
     p.add_argument("--output-json", help="also write prompts, token ids and texts to this file")
     return p.parse_args(argv)
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace, pc) -> dict:
     return {
         "checkpoint": str(ckpt.folder),
         "tp": pc.tp_size,
+        "pp": pc.pp_size,
         "sampling": dataclasses.asdict(sampling),
         "results": items,
         "prompt_tokens": res.prompt_tokens,
@@ -104,7 +106,7 @@ def print_report(report: dict, stream=None) -> None:
     print(
         f"prefill: {report['prompt_tokens']} prompt tokens in {report['prefill_s']:.3f} s | "
         f"decode: {report['decode_tokens']} tokens in {report['decode_s']:.3f} s = "
-        f"{report['decode_tokens_per_s']:.1f} tokens/s (tp={report['tp']})",
+        f"{report['decode_tokens_per_s']:.1f} tokens/s (tp={report['tp']}, pp={report['pp']})",
         file=stream,
         flush=True,
     )
@@ -113,15 +115,7 @@ def print_report(report: dict, stream=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    def work(pc) -> dict:
-        if args.pp != 1:
-            raise ValueError(
-                f"--pp {args.pp}: pipelined decoding is not supported; use --pp 1 (a checkpoint "
-                "saved with any pp loads at pp=1, split over tp)"
-            )
-        return run(args, pc)
-
-    status, report = run_over_tp(work, tp=args.tp)
+    status, report = run_over_tp(lambda pc: run(args, pc), tp=args.tp, pp=args.pp)
     if report is not None:
         print_report(report)
         if args.output_json:

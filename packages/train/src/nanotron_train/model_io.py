@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from nanotron_models import LlamaConfig, build_llama
+from nanotron_models import LlamaConfig
 from nanotron_models.config import DTYPES
-from nanotron_models.model import TIED_KEY
+from nanotron_models.flops import llama_block_costs, llama_block_names
+from nanotron_models.model import TIED_KEY, build_llama_stage
+from nanotron_parallel.pipeline import stage_block_names
 from nanotron_parallel.tensor_parallel import TensorParallelLinearMode
 from nanotron_train.checkpoints import CheckpointError, read_metadata, resolve_checkpoint
 from nanotron_train.checkpoints.layout import ShardInfo, canonical_name
@@ -87,19 +89,24 @@ def load_tokenizer_of(ckpt: CheckpointModel):
 def load_model(
     ckpt: CheckpointModel, pc, dtype: torch.dtype | None = None, device=None
 ) -> torch.nn.Module:
-    """The whole model (pp = 1) with this rank's tp shards of the checkpoint's weights.
+    """The whole model (pp = 1), or this rank's pipeline stage (blocks placed by cost as the
+    trainer places them), with this rank's tp shards of the checkpoint's weights.
 
     Built in ALL_REDUCE mode whatever the training used: the weights do not depend on it.
     """
-    if pc.pp_size != 1:
-        raise CheckpointError(
-            f"inference runs at pp=1 (got pp={pc.pp_size}); a checkpoint saved with any pp "
-            "loads at pp=1"
-        )
     dtype = dtype if dtype is not None else DTYPES.get(ckpt.dtype, torch.float32)
-    model = build_llama(
-        ckpt.model_config,
+    mc = ckpt.model_config
+    names = llama_block_names(mc)
+    if pc.pp_size > mc.num_hidden_layers:  # the trainer's rule for its stages
+        raise CheckpointError(
+            f"--pp {pc.pp_size}: more pipeline stages than the model's "
+            f"{mc.num_hidden_layers} decoder layers"
+        )
+    costs = llama_block_costs(mc, mc.max_position_embeddings)
+    model = build_llama_stage(
+        mc,
         pc,
+        stage_block_names(names, costs, pc.pp_size, pc.pp_rank),
         tp_mode=TensorParallelLinearMode.ALL_REDUCE,
         dtype=dtype,
         device=device if device is not None else pc.device,
