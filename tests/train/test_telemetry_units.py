@@ -292,3 +292,39 @@ def test_nvml_readings_follow_cuda_visible_devices(monkeypatch):
     values = metrics.values()
     assert values["system/gpu_util_pct"] == 87.0 and values["system/gpu_mem_bytes"] == 3 * 2**30
     assert "system/gpu_power_w" not in values and values["system/rss_bytes"] > 0
+
+
+def _wait_for_a_late_rank_in_the_grad_norm() -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from nanotron_parallel.clip import global_grad_norm
+    from nanotron_parallel.phase_timer import PhaseTimer, activate, deactivate
+    from nanotron_train.telemetry.rank_stats import FIELDS, local_row
+
+    timer = PhaseTimer(torch.device("cpu"))
+    with shared_default_group():
+        dist.barrier()
+        if dist.get_rank() == 1:
+            time.sleep(0.5)  # late at the norm: rank 0 waits for it there
+        activate(timer)
+        try:
+            with timer.span("optimizer"):
+                norm = global_grad_norm([torch.full((4,), 1.0)], None, torch.device("cpu"))
+        finally:
+            deactivate()
+    totals, _ = timer.collect()
+    row = dict(zip(FIELDS, local_row(totals, 1, torch.device("cpu"), {"cpu_util_pct": None})))
+    return {"norm": float(norm), **row}
+
+
+def test_the_wait_in_the_grad_norm_all_reduce_is_not_optimizer_work():
+    """Found end to end (tests/dashboard/test_browser_straggler_e2e.py): the ranks that reach
+    the world-wide grad-norm all-reduce first wait there for a slowed rank; booked as optimizer
+    time, that wait made them look busier than the slowed rank itself (a wrong straggler)."""
+    early, late = run_distributed(_wait_for_a_late_rank_in_the_grad_norm, 2)
+    assert early["norm"] == late["norm"] == pytest.approx(8**0.5)  # 2 ranks x 4 ones
+    assert early["dp_wait_ms"] > 250  # rank 1 came 500 ms after the barrier
+    assert early["optimizer_ms"] < early["dp_wait_ms"] / 5
+    assert early["dp_wait_ms"] > late["dp_wait_ms"] + 200

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotron_parallel.phase_timer import comm_span
 from nanotron_parallel.sharding import get_param_meta
 
 
@@ -46,7 +47,10 @@ def global_grad_norm(
         squares = torch.stack(torch._foreach_norm(views)).double().square().sum()
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)
-    dist.all_reduce(squares, group=group)
+    # telemetry: a rank that arrives first waits here for the slowest; that wait is not the
+    # optimizer's work (booked to it, it would make the waiting ranks look like stragglers)
+    with comm_span("reduce_wait"):
+        dist.all_reduce(squares, group=group)
     return squares.sqrt()
 
 
