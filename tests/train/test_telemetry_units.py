@@ -133,10 +133,13 @@ def test_stragglers_are_compared_within_their_pipeline_stage():
     # the last stage does more work (lm_head, loss): no straggler for that
     assert det.observe(_ranks([10, 10, 15, 15], stages=[0, 0, 1, 1])) == []
     (found,) = det.observe(_ranks([10, 10, 15, 25], stages=[0, 0, 1, 1]))
-    assert found[0]["rank"] == 3 and found[1] == pytest.approx(25 / 20)
-    # stages of one rank: the median of all ranks
+    assert found[0]["rank"] == 3 and found[1] == pytest.approx(25 / 15)  # against its peer
+    # stages of one rank: the median of all other ranks
     (found,) = StragglerDetector(0.2, 1).observe(_ranks([10, 10, 14], stages=[0, 1, 2]))
-    assert found[0]["rank"] == 2
+    assert found[0]["rank"] == 2 and found[1] == pytest.approx(1.4)
+    # a stage of two ranks: one 1.8x the other is named (the two-rank median would say 1.29)
+    (found,) = StragglerDetector(0.5, 1).observe(_ranks([10, 18, 10, 10], stages=[0, 0, 1, 1]))
+    assert found[0]["rank"] == 1 and found[1] == pytest.approx(1.8)
 
 
 def test_throughput_drop_against_the_running_median():
@@ -294,37 +297,52 @@ def test_nvml_readings_follow_cuda_visible_devices(monkeypatch):
     assert "system/gpu_power_w" not in values and values["system/rss_bytes"] > 0
 
 
-def _wait_for_a_late_rank_in_the_grad_norm() -> dict:
+def _wait_for_a_late_rank_in_the_optimizer(collective: str) -> dict:
     import time
 
     import torch.distributed as dist
 
     from nanotron_parallel.clip import global_grad_norm
     from nanotron_parallel.phase_timer import PhaseTimer, activate, deactivate
+    from nanotron_parallel.zero import build_data_parallel
     from nanotron_train.telemetry.rank_stats import FIELDS, local_row
 
     timer = PhaseTimer(torch.device("cpu"))
     with shared_default_group():
+        rank = dist.get_rank()
+        param = torch.nn.Parameter(torch.full((8,), float(rank)))
+        zero = build_data_parallel(1, [param], None, 2, rank)
         dist.barrier()
-        if dist.get_rank() == 1:
-            time.sleep(0.5)  # late at the norm: rank 0 waits for it there
+        if rank == 1:
+            time.sleep(0.5)  # late at the collective: rank 0 waits for it there
         activate(timer)
         try:
             with timer.span("optimizer"):
-                norm = global_grad_norm([torch.full((4,), 1.0)], None, torch.device("cpu"))
+                if collective == "norm":
+                    result = float(
+                        global_grad_norm([torch.full((4,), 1.0)], None, torch.device("cpu"))
+                    )
+                else:  # ZeRO-1's all-gather of the updated shards
+                    zero.gather_params()
+                    result = param.detach().tolist()
         finally:
             deactivate()
     totals, _ = timer.collect()
     row = dict(zip(FIELDS, local_row(totals, 1, torch.device("cpu"), {"cpu_util_pct": None})))
-    return {"norm": float(norm), **row}
+    return {"result": result, **row}
 
 
-def test_the_wait_in_the_grad_norm_all_reduce_is_not_optimizer_work():
+@pytest.mark.parametrize("collective", ["norm", "zero1_gather"])
+def test_the_wait_in_the_optimizers_collectives_is_not_optimizer_work(collective):
     """Found end to end (tests/dashboard/test_browser_straggler_e2e.py): the ranks that reach
-    the world-wide grad-norm all-reduce first wait there for a slowed rank; booked as optimizer
-    time, that wait made them look busier than the slowed rank itself (a wrong straggler)."""
-    early, late = run_distributed(_wait_for_a_late_rank_in_the_grad_norm, 2)
-    assert early["norm"] == late["norm"] == pytest.approx(8**0.5)  # 2 ranks x 4 ones
+    the world-wide grad-norm all-reduce (or ZeRO's all-gather) first wait there for a slowed
+    rank; booked as optimizer time, that wait made them look busier than the slowed rank itself
+    (a wrong straggler)."""
+    early, late = run_distributed(_wait_for_a_late_rank_in_the_optimizer, 2, collective)
+    if collective == "norm":
+        assert early["result"] == late["result"] == pytest.approx(8**0.5)  # 2 ranks x 4 ones
+    else:  # each rank's owned half comes from that rank
+        assert early["result"] == late["result"] == [0.0] * 4 + [1.0] * 4
     assert early["dp_wait_ms"] > 250  # rank 1 came 500 ms after the barrier
     assert early["optimizer_ms"] < early["dp_wait_ms"] / 5
     assert early["dp_wait_ms"] > late["dp_wait_ms"] + 200

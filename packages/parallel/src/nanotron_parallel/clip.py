@@ -49,7 +49,7 @@ def global_grad_norm(
         squares = torch.zeros((), dtype=torch.float64, device=device)
     # telemetry: a rank that arrives first waits here for the slowest; that wait is not the
     # optimizer's work (booked to it, it would make the waiting ranks look like stragglers)
-    with comm_span("reduce_wait"):
+    with comm_span("optimizer_comm"):
         dist.all_reduce(squares, group=group)
     return squares.sqrt()
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from nanotron_parallel.data_parallel import Bucket, DataParallelGrads
+from nanotron_parallel.phase_timer import comm_span
 from nanotron_parallel.tensor_parallel.functional import _all_gather_tensor, _reduce_scatter_tensor
 
 
@@ -63,10 +64,12 @@ class ZeroOneGrads(DataParallelGrads):
                 flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
             lo, hi = self.owned_span(bucket)
             mine = flat[lo:hi].clone()
-            if self.tensor_collectives:
-                _all_gather_tensor(flat, mine, group=self.dp_group)
-            else:
-                dist.all_gather(list(flat.chunk(self.dp_size)), mine, group=self.dp_group)
+            # telemetry: waiting here for the slowest dp rank is not this rank's optimizer work
+            with comm_span("optimizer_comm"):
+                if self.tensor_collectives:
+                    _all_gather_tensor(flat, mine, group=self.dp_group)
+                else:
+                    dist.all_gather(list(flat.chunk(self.dp_size)), mine, group=self.dp_group)
             for p, off in zip(bucket.params, bucket.offsets):
                 p.detach().copy_(flat[off : off + p.numel()].view_as(p))
 

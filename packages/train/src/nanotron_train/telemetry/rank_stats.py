@@ -8,9 +8,11 @@ is gathered once at start. Rank 0 turns the table into `rank_stats` messages.
 
 compute = the pipeline's forwards and backwards minus the tp collectives, the pp transfers and
 ZeRO-3's parameter gathers inside them; `dp_wait` is the wait for the gradient reduction (and
-the tied-embedding sum) after the last backward plus those ZeRO-3 gathers and the grad-norm
-all-reduce (where the ranks that arrive first wait for the slowest); `optimizer` is the norm's
-local part, clipping, the optimizer step and the ZeRO-1 all-gather; `data` the host time to get the micro-batches onto the device. `step` is the wall
+the tied-embedding sum) after the last backward plus those ZeRO-3 gathers and the collectives
+of the optimizer phase (`optimizer_comm`: the grad-norm all-reduce and the ZeRO-1/2 parameter
+all-gather, where the ranks that arrive first wait for the slowest); `optimizer` is the rest
+of that phase (the norm's local part, clipping, the optimizer step); `data` the host time to
+get the micro-batches onto the device. `step` is the wall
 time of the whole step: the shares need not add up to it (bookkeeping, the loss read of a
 logged step).
 """
@@ -101,9 +103,10 @@ def local_row(totals: dict[str, float], steps: int, device, extra: dict) -> list
         "compute_ms": max(0.0, mean("pipeline") - inner),
         "tp_comm_ms": mean("tp_comm"),
         "pp_wait_ms": mean("pp_wait"),
-        "dp_wait_ms": mean("dp_wait") + mean("dp_gather") + mean("reduce_wait"),
-        # the grad-norm all-reduce waits (for the slowest rank) inside the optimizer span
-        "optimizer_ms": max(0.0, mean("optimizer") - mean("reduce_wait")),
+        "dp_wait_ms": mean("dp_wait") + mean("dp_gather") + mean("optimizer_comm"),
+        # the grad-norm all-reduce and ZeRO's all-gather wait (for the slowest rank) inside
+        # the optimizer span
+        "optimizer_ms": max(0.0, mean("optimizer") - mean("optimizer_comm")),
         "data_ms": mean("data"),
         "mem_bytes": peak_memory_bytes(device),
         "mem_reserved_bytes": (

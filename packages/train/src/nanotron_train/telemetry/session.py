@@ -113,7 +113,7 @@ class Telemetry:
                 "straggler",
                 "warning",
                 f"rank {place.rank} ({place.coordinates()}, host {place.host}) compute "
-                f"{ratio:.2f}x the median of its stage ({busy_ms(entry):.1f} ms vs {median:.1f} "
+                f"{ratio:.2f}x the median of the other ranks of its stage ({busy_ms(entry):.1f} ms vs {median:.1f} "
                 f"ms of compute+optimizer+data per step) for {self.stragglers.intervals} "
                 "intervals",
                 step,
