@@ -177,10 +177,12 @@ const NTT = (() => {
       if (w >= 7 * label.length + 4) { g.fillStyle = "#fff"; g.fillText(label, x + 3, y + barH / 2 + 1); }
     }
     g.fillStyle = "#1d2330"; g.textBaseline = "top";
-    for (let k = 0; k <= 5; k++) {
+    for (let k = 0; k <= 5; k++) {  // 3 significant digits; the end label ends at the axis end
       const ms = end * k / 5;
-      g.fillText(NT.num(+ms.toPrecision(3)) + " ms", left + ms * scale - (k === 5 ? 40 : 0), top + t.pp * rowH + 6);
+      g.textAlign = k === 0 ? "left" : k === 5 ? "right" : "center";
+      g.fillText(String(+ms.toPrecision(3)) + " ms", left + ms * scale, top + t.pp * rowH + 6);
     }
+    g.textAlign = "left";
     $("tl-bubble").textContent = "bubble measured " + pct(t.bubble_measured) + " · formula " + pct(t.bubble_formula) +
       " (" + t.schedule + ", pp=" + t.pp + ", micro-batches=" + t.micro_batches + ", chunks=" + t.chunks + ")";
     ctx.state.gantt = { left, top, rowH, barH, scale, dpr, step: t.step };
