@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.train.fault_helpers import kill
 from tests.train.telemetry_helpers import Torchrun4, telemetry_config
 
 pytestmark = pytest.mark.browser
@@ -53,15 +49,6 @@ def near(rgb, want, tol) -> bool:
     return all(abs(a - b) <= tol for a, b in zip(rgb, want))
 
 
-def slow_down(pid: int, done: threading.Event) -> None:
-    """Stopped 40 ms of every 60: the rank works at a third of its speed."""
-    while not done.is_set():
-        kill(pid, signal.SIGSTOP)
-        time.sleep(0.04)
-        kill(pid, signal.SIGCONT)
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def trained(live_dashboard, tmp_path_factory):
     """The run, trained to the end against the shared dashboard: (dashboard, run id, log)."""
@@ -76,16 +63,7 @@ def trained(live_dashboard, tmp_path_factory):
     cfg.write_text(cfg.read_text().replace("project: test", f"project: {PROJECT}"))
     cfg.write_text(cfg.read_text().replace("run: ckpt", f"run: {NAME}"))
     run = Torchrun4(cfg, d.url)
-    done = threading.Event()
-    try:
-        workers = run.wait_workers()
-        slower = threading.Thread(target=slow_down, args=(workers[SLOW_RANK], done), daemon=True)
-        slower.start()
-        status = run.wait()
-    finally:
-        done.set()
-        if run.proc.poll() is None:
-            run.proc.kill()
+    status = run.wait_with_a_slowed_rank(SLOW_RANK)
     out = run.output()
     assert status == 0, out[-4000:]
     runs = [r for r in d.get("/api/runs") if r["project"] == PROJECT and r["name"] == NAME]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.train.fault_helpers import ROOT, alive, children, env_of
+from tests.train.fault_helpers import ROOT, alive, children, env_of, kill
 from tests.train.test_checkpoint import tiny_config
 
 
@@ -117,6 +118,27 @@ class Torchrun4:
             assert time.monotonic() < deadline, "the workers never came up"
             time.sleep(0.05)
         return found
+
+    def wait_with_a_slowed_rank(self, rank: int) -> int:
+        """Stop `rank`'s worker 40 ms of every 60 (from outside: it works at a third of its
+        speed) until the run ends; the exit status."""
+        workers = self.wait_workers()
+        done = threading.Event()
+
+        def slow_down() -> None:
+            while not done.is_set():
+                kill(workers[rank], signal.SIGSTOP)
+                time.sleep(0.04)
+                kill(workers[rank], signal.SIGCONT)
+                time.sleep(0.02)
+
+        threading.Thread(target=slow_down, daemon=True).start()
+        try:
+            return self.wait()
+        finally:
+            done.set()
+            if self.proc.poll() is None:
+                self.proc.kill()
 
     def wait(self, timeout: float = 240) -> int:
         try:

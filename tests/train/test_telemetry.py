@@ -6,14 +6,11 @@ SIGSTOPs and SIGCONTs one worker (rank 3: dp=1, pp=1) in a loop, which makes it 
 
 from __future__ import annotations
 
-import signal
 import socket
-import threading
-import time
 
 import pytest
 
-from tests.train.fault_helpers import kill, records
+from tests.train.fault_helpers import records
 from tests.train.telemetry_helpers import FakeIngest, Torchrun4, telemetry_config
 
 LAYOUT = {"dp": 2, "tp": 1, "pp": 2}
@@ -24,15 +21,6 @@ SLOW_RANK = 3  # ranks are pp-major, tp fastest: rank 3 is dp=1, tp=0, pp=1
 def coordinates(rank: int) -> dict:
     dp, tp = LAYOUT["dp"], LAYOUT["tp"]
     return {"dp": (rank // tp) % dp, "tp": rank % tp, "pp": rank // (dp * tp), "cp": 0}
-
-
-def slow_down(pid: int, done: threading.Event) -> None:
-    """Stopped 40 ms of every 60: the rank works at a third of its speed."""
-    while not done.is_set():
-        kill(pid, signal.SIGSTOP)
-        time.sleep(0.04)
-        kill(pid, signal.SIGCONT)
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +34,9 @@ def launch(tmp_path_factory):
         pipeline_timeline_interval=TIMELINE_EVERY,
     )  # fmt: skip
     run = Torchrun4(cfg, ingest.url)
-    done = threading.Event()
     try:
-        workers = run.wait_workers()
-        slower = threading.Thread(target=slow_down, args=(workers[SLOW_RANK], done), daemon=True)
-        slower.start()
-        status = run.wait()
+        status = run.wait_with_a_slowed_rank(SLOW_RANK)
     finally:
-        done.set()
-        if run.proc.poll() is None:
-            run.proc.kill()
         ingest.close()
     assert status == 0, run.output()[-4000:]
     return ingest, run.output(), records(tmp / "run.jsonl")
