@@ -7,7 +7,7 @@ contract in README describe what the trainer sends.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -140,16 +140,6 @@ class PipelineTimeline(Msg):
         return len(self.spans) * SPAN_MEMORY
 
 
-EVENT_KINDS = (
-    "nonfinite_loss",
-    "loss_spike",
-    "grad_norm_spike",
-    "throughput_drop",
-    "stall",
-    "straggler",
-    "restart",
-    "preemption",
-)
 EventKind = Literal[
     "nonfinite_loss",
     "loss_spike",
@@ -160,6 +150,7 @@ EventKind = Literal[
     "restart",
     "preemption",
 ]
+EVENT_KINDS = get_args(EventKind)
 Severity = Literal["info", "warning", "critical"]
 
 
