@@ -16,6 +16,7 @@ import time
 from nanotron_train.config import load_config
 from nanotron_train.fault.errors import TrainingStopped
 from nanotron_train.fault.launcher import watch_launcher
+from nanotron_train.training_inputs import prepare_for_training
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_launcher()  # a torchrun worker exits when torchrun dies (fault/launcher.py)
     try:
         cfg = load_config(args.config_file, overrides_of(args), world_size=world_size)
+        cfg = prepare_for_training(cfg, args.config_file, overrides_of(args))
         from nanotron_train.metrics import check_optional_sinks
         from nanotron_train.trainer import train
 

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
     from nanotron_train.config import load_config
+    from nanotron_train.training_inputs import prepare_for_training
 
     ours = argparse.ArgumentParser(add_help=False)
     add_trainer_args(ours)
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         forwarded += ["--resume", mine.resume]
     args = get_args_parser().parse_args([*torchrun_args, "-m", "nanotron_train", *forwarded])
     try:
-        load_config(mine.config_file, overrides_of(mine), _world_size(args))
+        cfg = load_config(mine.config_file, overrides_of(mine), _world_size(args))
+        prepare_for_training(cfg, mine.config_file, overrides_of(mine))  # data exists, ids
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -1,0 +1,85 @@
+"""A training config's inputs, settled before any worker starts: paths made absolute, dataset
+folders present, special token ids those of the tokenizer.
+
+`python -m nanotron_train` (every rank) and `python -m nanotron_train.launch` (before spawning)
+call `prepare_for_training` right after loading the config:
+
+1. Relative input paths (the tokenizer, dataset folders, their read paths, raw datasets) are
+   resolved against the working directory, so the config a checkpoint stores holds absolute
+   paths and `generate`, `convert to-hf` and `evaluate` work from any folder.
+2. A dataset folder that exists neither where it is named nor at its `dataset_read_path` is
+   one error naming its key and the config file, at once (not after the workers started).
+3. With a tokenizer readable here, `model.model_config.{bos,eos,pad}_token_id` must be its
+   special tokens (token_ids.py). An unreadable tokenizer is left to the data path, which
+   needs it only for real data (a synthetic run may name a tokenizer it never reads).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nanotron_train.config_loader import ConfigError
+
+
+def config_source(config_file: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """The name load_config gives the config in its errors."""
+    return f"{config_file} (with --override)" if overrides else str(config_file)
+
+
+def prepare_for_training(cfg: Any, config_file: str, overrides=()) -> Any:
+    """`cfg` with absolute input paths, checked (ConfigError naming the key and the file)."""
+    source = config_source(config_file, overrides)
+    tok = cfg.tokenizer
+    if tok.tokenizer_name_or_path and Path(tok.tokenizer_name_or_path).expanduser().exists():
+        tok.tokenizer_name_or_path = _absolute(tok.tokenizer_name_or_path)
+    for i, stage in enumerate(cfg.data_stages):
+        _settle_dataset(stage.data.dataset, f"data_stages.{i}.data.dataset", source)
+    if cfg.validation is not None:
+        _settle_dataset(cfg.validation.dataset, "validation.dataset", source)
+    _check_token_ids(cfg, source)
+    return cfg
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _settle_dataset(ds: Any, key: str, source: str) -> None:
+    if ds is None:
+        return
+    if ds.hf_dataset_or_datasets and Path(ds.hf_dataset_or_datasets).expanduser().exists():
+        ds.hf_dataset_or_datasets = _absolute(ds.hf_dataset_or_datasets)
+    if ds.dataset_read_path is not None:
+        ds.dataset_read_path = [_absolute(p) for p in ds.dataset_read_path]
+    folders = list(ds.dataset_folder or [])
+    reads = list(ds.dataset_read_path or [None] * len(folders))
+    for j, (folder, read) in enumerate(zip(folders, reads, strict=False)):
+        if not Path(folder).expanduser().exists() and not (read and Path(read).exists()):
+            where = f"{key}.dataset_folder" + (f".{j}" if len(folders) > 1 else "")
+            also = f" (nor its dataset_read_path {read})" if read else ""
+            raise ConfigError(
+                where,
+                f"{folder}: no such folder{also}, seen from {os.getcwd()}; tokenize one with "
+                "`python -m nanotron_train.data tokenize`",
+                source,
+            )
+    ds.dataset_folder = [_absolute(f) for f in folders] if ds.dataset_folder else ds.dataset_folder
+
+
+def _check_token_ids(cfg: Any, source: str) -> None:
+    from nanotron_train.data import DataError, load_tokenizer
+    from nanotron_train.token_ids import token_id_problems
+
+    tok_args = cfg.tokenizer
+    if not tok_args.tokenizer_name_or_path:
+        return
+    try:
+        tok = load_tokenizer(tok_args.tokenizer_name_or_path, tok_args.tokenizer_revision)
+    except DataError:
+        return
+    problems = token_id_problems(cfg.model.model_config, tok)
+    if problems:
+        key, problem = problems[0]
+        raise ConfigError(f"model.model_config.{key}", problem, source)
