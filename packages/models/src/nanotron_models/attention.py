@@ -4,6 +4,13 @@ Tensors are sequence-first like the rest of the model: q [s_q, b, heads, d], k a
 [s_k, b, kv_heads, d] (grouped-query attention: heads is a multiple of kv_heads). Causality is
 bottom-right aligned: query i sits at absolute position s_k - s_q + i, which is what decoding
 with a KV cache needs (with s_q == s_k it is the ordinary causal mask).
+
+Which kernel, and what is said about it: flash-attn is a CUDA kernel, so on a CPU sdpa is the
+only choice and nothing is logged, whatever was asked (Nanotron's default
+`_attn_implementation: flash_attention_2` asks for flash-attn in every config that does not
+say otherwise; a warning there would be noise on every rank of every CPU run). On CUDA without
+flash-attn installed, a request for it (that default included) is a warning and `auto` an info
+line: once per process, from rank 0 only.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,32 +32,31 @@ def flash_attn_available() -> bool:
 
 
 @functools.cache
-def _log_once(message: str) -> None:
-    logger.warning(message)
+def _log_once(level: int, message: str) -> None:
+    if _rank() == 0:
+        logger.log(level, message)
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """Which kernel to run for `requested` in {"auto", "sdpa", "flash_attn"} on `device`.
-
-    "flash_attn" when it cannot run (not installed, or CPU tensors) falls back to sdpa with a
-    warning logged once; "auto" picks flash_attn when it can run and logs a fallback once.
-    """
-    can_flash = device.type == "cuda" and flash_attn_available()
+    """Which kernel to run for `requested` in {"auto", "sdpa", "flash_attn"} on `device`:
+    flash_attn where it can run (CUDA, installed), else sdpa (see the module docstring for
+    what is logged)."""
+    if requested not in ("auto", "sdpa", "flash_attn"):
+        raise ValueError(f"unknown attention backend {requested!r}")
     if requested == "sdpa":
         return "sdpa"
-    if requested == "flash_attn":
-        if can_flash:
-            return "flash_attn"
-        why = "not installed" if not flash_attn_available() else f"tensors on {device.type}"
-        _log_once(f"attn_backend=flash_attn requested but unavailable ({why}); using sdpa")
-        return "sdpa"
-    if requested == "auto":
-        if can_flash:
-            return "flash_attn"
-        why = "not installed" if not flash_attn_available() else f"tensors on {device.type}"
-        _log_once(f"attn_backend=auto: flash_attn unavailable ({why}); using sdpa")
-        return "sdpa"
-    raise ValueError(f"unknown attention backend {requested!r}")
+    if device.type == "cuda" and flash_attn_available():
+        return "flash_attn"
+    if device.type == "cuda":  # a GPU without the flash-attn package
+        level = logging.WARNING if requested == "flash_attn" else logging.INFO
+        _log_once(level, f"attn_backend={requested}: flash_attn is not installed; using sdpa")
+    return "sdpa"
 
 
 def attention(
