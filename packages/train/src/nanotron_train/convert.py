@@ -1,12 +1,13 @@
 """Hugging Face export and import of checkpoints, and import of Nanotron checkpoints.
 
-    python -m nanotron_train.convert to-hf --ckpt-path CKPT --out DIR
+    python -m nanotron_train.convert to-hf --ckpt-path CKPT --out DIR [--tokenizer PATH]
     python -m nanotron_train.convert from-hf --hf-path DIR --out CKPT [--config-file C.yaml]
     python -m nanotron_train.convert from-nanotron --nanotron-path DIR --out CKPT
 
 to-hf writes a folder `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)` load: model.safetensors in the checkpoint's dtype,
-config.json (rope, tie, token ids), generation_config.json and the tokenizer files.
+config.json (rope, tie, token ids), generation_config.json and the tokenizer files. The token
+ids are the training config's where they are the tokenizer's special tokens (token_ids.py).
 from-hf writes `<CKPT>/<step>/` (step 0 unless --step) that the trainer resumes from in any
 layout: the weights, a fresh optimizer state, and the training config (--config-file, or one
 derived from the HF config). from-nanotron reads a Nanotron checkpoint saved with any tp/pp
@@ -37,14 +38,24 @@ from nanotron_train.hf_folder import (
     read_hf_weights,
     write_folder_atomically,
 )
+from nanotron_train.model_io import TOKENIZER_HELP
 
 
-def to_hf(ckpt_path: str | Path, out: str | Path, *, overwrite: bool = False, tokenizer=True):
-    """Export a checkpoint (any layout) as a Hugging Face Llama folder; returns its path."""
+def to_hf(
+    ckpt_path: str | Path,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    tokenizer=True,
+    tokenizer_path: str | None = None,
+):
+    """Export a checkpoint (any layout) as a Hugging Face Llama folder; returns its path.
+    `tokenizer_path` replaces the tokenizer the checkpoint's config names."""
     from nanotron_train.model_io import full_model_tensors, load_tokenizer_of, open_checkpoint
+    from nanotron_train.token_ids import ids_for_export
 
     check_writable(Path(out), overwrite)
-    ckpt = open_checkpoint(ckpt_path)
+    ckpt = open_checkpoint(ckpt_path, tokenizer_path)
     tok = load_tokenizer_of(ckpt) if tokenizer else None
     # transformers is slow to import: only once the inputs are known to be good.
     from safetensors.torch import save_file
@@ -53,8 +64,11 @@ def to_hf(ckpt_path: str | Path, out: str | Path, *, overwrite: bool = False, to
     from nanotron_models.hf import config_to_hf, our_full_state_dict_to_hf
 
     config = ckpt.model_config
-    if tok is not None:  # the ids the tokenizer really uses (training configs keep defaults)
-        config = replace(config, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    if tok is not None:  # the config's ids where they are the tokenizer's special tokens
+        ids, notes = ids_for_export(config, tok)
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
+        config = replace(config, **ids)
     hf_sd = our_full_state_dict_to_hf(full_model_tensors(ckpt), config)
     if config.tie_word_embeddings:
         del hf_sd["lm_head.weight"]  # one storage, as save_pretrained writes tied weights
@@ -67,19 +81,20 @@ def to_hf(ckpt_path: str | Path, out: str | Path, *, overwrite: bool = False, to
         hf_config.save_pretrained(tmp)
         GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
         if tok is not None:
-            _write_tokenizer(tok, tmp)
+            _write_tokenizer(tok, tmp, config)
 
     return write_folder_atomically(Path(out), fill, overwrite)
 
 
-def _write_tokenizer(tok, dst: Path) -> None:
+def _write_tokenizer(tok, dst: Path, config) -> None:
     src = Path(tok.path).parent
     copied = copy_tokenizer_files(src, dst)
     if "tokenizer.json" not in copied:
         (dst / "tokenizer.json").write_bytes(Path(tok.path).read_bytes())
     if "tokenizer_config.json" not in copied:  # a bare tokenizer.json: describe it
-        eos = tok.tokenizer.id_to_token(tok.eos_token_id)
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos}
+        eos = tok.tokenizer.id_to_token(config.eos_token_id)
+        bos = tok.tokenizer.id_to_token(config.bos_token_id)
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos}
         (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -259,6 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.add_argument(
         "--no-tokenizer", action="store_true", help="export without tokenizer files (no tokenizer)"
     )
+    a.add_argument("--tokenizer", help=TOKENIZER_HELP)
     b = sub.add_parser("from-hf", help="Hugging Face folder -> checkpoint")
     b.add_argument("--hf-path", required=True, help="a local Hugging Face Llama folder")
     b.add_argument("--out", required=True, help="the checkpoints folder to write <out>/<step>/ in")
@@ -277,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "to-hf":
             path = to_hf(
-                args.ckpt_path, args.out, overwrite=args.overwrite, tokenizer=not args.no_tokenizer
+                args.ckpt_path,
+                args.out,
+                overwrite=args.overwrite,
+                tokenizer=not args.no_tokenizer,
+                tokenizer_path=args.tokenizer,
             )
             print(f"wrote {path} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
         else:

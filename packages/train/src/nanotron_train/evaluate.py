@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from nanotron_train.model_io import TOKENIZER_HELP
 from nanotron_train.tp_command import run_over_tp
 
 
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="leave out the label after each document's end (as a run with eod_mask_loss)",
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     return p.parse_args(argv)
 
 
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace, pc) -> dict:
     from nanotron_train.evaluation import Evaluator
     from nanotron_train.model_io import load_model, open_checkpoint
 
-    ckpt = open_checkpoint(args.ckpt_path)
+    ckpt = open_checkpoint(args.ckpt_path, args.tokenizer)
     tokens = ckpt.train_config.get("tokens") or {}
     dp = int((ckpt.train_config.get("parallelism") or {}).get("dp", 1))
     try:

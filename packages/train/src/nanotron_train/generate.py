@@ -2,7 +2,7 @@
 
 Loads a checkpoint (saved in any layout) at tp = N / pp (`--pp`, default 1: with more, each
 step is pipelined over the stages, nanotron_train/pipelined_decoding.py), encodes the prompts with the
-checkpoint's tokenizer, decodes them in one left-padded batch with the KV cache (greedy at
+checkpoint's tokenizer (or --tokenizer PATH), decodes them in one left-padded batch with the KV cache (greedy at
 temperature 0, else top-k / top-p sampling from --seed), prints each prompt and its
 continuation, then the decode speed. `python -m nanotron_train.generate ...` runs one process.
 A user error prints one line from rank 0 and exits with status 2.
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from nanotron_models.config import DTYPES
+from nanotron_train.model_io import TOKENIZER_HELP
 from nanotron_train.tp_command import run_over_tp
 
 
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (the processes are pp x tp)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the training dtype")
     p.add_argument("--output-json", help="also write prompts, token ids and texts to this file")
+    p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     return p.parse_args(argv)
 
 
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace, pc) -> dict:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
     prompts = read_prompts(args)
-    ckpt = open_checkpoint(args.ckpt_path)
+    ckpt = open_checkpoint(args.ckpt_path, args.tokenizer)
     tok = load_tokenizer_of(ckpt)
     eos = tok.eos_token_id
     # An empty prompt starts a new document: EOS is what precedes one in the training data.

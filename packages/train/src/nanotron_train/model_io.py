@@ -24,6 +24,10 @@ from nanotron_train.checkpoints.layout import ShardInfo, canonical_name
 from nanotron_train.checkpoints.load import check_files
 from nanotron_train.checkpoints.source import CheckpointSource
 
+TOKENIZER_HELP = (
+    "the tokenizer (folder or tokenizer.json) instead of the one the checkpoint's config names"
+)
+
 
 class TokenizerMissingError(ValueError):
     """The checkpoint's config names no tokenizer, or the one it names cannot be read."""
@@ -45,8 +49,9 @@ class CheckpointModel:
         return int(self.metadata["step"])
 
 
-def open_checkpoint(path: str | Path) -> CheckpointModel:
-    """A step folder, or a checkpoints root (its latest.txt picks the step)."""
+def open_checkpoint(path: str | Path, tokenizer: str | None = None) -> CheckpointModel:
+    """A step folder, or a checkpoints root (its latest.txt picks the step); `tokenizer`
+    (the commands' --tokenizer) replaces the one its config names."""
     folder = resolve_checkpoint(str(path), None)
     meta = read_metadata(folder)
     check_files(folder, meta)
@@ -59,7 +64,7 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
     if not isinstance(meta.get("model_config"), dict):
         raise CheckpointError(f"{folder}: checkpoint_metadata.json has no model_config")
     model = raw.get("model") or {}
-    tok = (raw.get("tokenizer") or {}).get("tokenizer_name_or_path")
+    tok = tokenizer or (raw.get("tokenizer") or {}).get("tokenizer_name_or_path")
     return CheckpointModel(
         folder=folder,
         metadata=meta,
@@ -77,13 +82,15 @@ def load_tokenizer_of(ckpt: CheckpointModel):
     if not ckpt.tokenizer_path:
         raise TokenizerMissingError(
             f"{ckpt.folder / 'config.yaml'}: tokenizer.tokenizer_name_or_path is not set, so "
-            "there is no tokenizer to encode prompts (set it to the tokenizer the model was "
-            "trained with)"
+            "there is no tokenizer to encode prompts (pass --tokenizer PATH: the tokenizer the "
+            "model was trained with)"
         )
     try:
         return load_tokenizer(ckpt.tokenizer_path)
     except DataError as exc:
-        raise TokenizerMissingError(f"the checkpoint's tokenizer: {exc}") from None
+        raise TokenizerMissingError(
+            f"the checkpoint's tokenizer: {exc} (pass --tokenizer PATH to use another copy)"
+        ) from None
 
 
 def load_model(
