@@ -242,7 +242,7 @@ def _truncate(path: Path) -> None:
 BAD = {
     "checksum": (lambda d: _flip_byte(d / "model/pp0_tp0.safetensors"), "model/pp0_tp0.safetensors: checksum mismatch"),
     "truncated": (lambda d: _truncate(d / "optimizer/pp0_tp0_dp0.safetensors"), "pp0_tp0_dp0.safetensors: truncated"),
-    "missing_file": (lambda d: (d / "rng/rank0.pt").unlink(), "rng/rank0.pt: missing file"),
+    "missing_file": (lambda d: (d / "rng/rank0.safetensors").unlink(), "rng/rank0.safetensors: missing file"),
     "size": (lambda d: (d / "data_state.json").write_text((d / "data_state.json").read_text() + " "), "data_state.json: size mismatch"),
     "missing_shard": (
         lambda d: _meta_edit(d, lambda m: m.update(files=[f for f in m["files"] if not f["path"].startswith("model/")])),

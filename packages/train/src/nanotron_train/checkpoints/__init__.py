@@ -2,7 +2,8 @@
 
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.listing import CheckpointEntry, list_checkpoints
-from nanotron_train.checkpoints.load import load_checkpoint, read_metadata, resolve_checkpoint
+from nanotron_train.checkpoints.load import load_checkpoint, resolve_checkpoint
+from nanotron_train.checkpoints.metadata import read_metadata
 from nanotron_train.checkpoints.save import clean_leftovers, save_checkpoint
 
 __all__ = [

@@ -11,7 +11,8 @@ from nanotron_train.checkpoints.async_save import AsyncCheckpointer
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.layout import LATEST_FILE
 from nanotron_train.checkpoints.load import load_checkpoint, resolve_checkpoint
-from nanotron_train.checkpoints.save import check_shared, clean_leftovers, save_checkpoint
+from nanotron_train.checkpoints.metadata import check_no_newer, read_metadata
+from nanotron_train.checkpoints.save import _agree, check_shared, clean_leftovers, save_checkpoint
 from nanotron_train.fault.coordination import shared_store
 from nanotron_train.fault.errors import TrainingStopped
 
@@ -58,6 +59,8 @@ class Checkpointing:
             if ck.resume_checkpoint_path == "auto" and pc.rank == 0:
                 print(f"--resume auto: no checkpoint in {ck.checkpoints_path}; starting fresh")
             return None
+        if ck.checkpoints_path:  # never save over a newer checkpoint (checkpoints/metadata.py)
+            _agree(pc, _newer_error(Path(ck.checkpoints_path), folder) if pc.rank == 0 else None)
         with t.grads.full_parameters():  # ZeRO-3: the loaded values go to the shards
             meta = load_checkpoint(folder, t.state, t.cfg, pc, t.zero_stage)
         _check_recorded_position(t.cfg, meta, folder)
@@ -168,6 +171,14 @@ class Checkpointing:
 
     def _has_latest(self) -> bool:
         return (Path(self.ck.checkpoints_path) / LATEST_FILE).is_file()
+
+
+def _newer_error(root: Path, folder: Path) -> str | None:
+    try:
+        step = read_metadata(folder)["step"]
+    except CheckpointError:
+        return None  # load_checkpoint says what is wrong with it, on every rank
+    return check_no_newer(root, folder, step)
 
 
 def _check_recorded_position(cfg, meta: dict, folder: Path) -> None:

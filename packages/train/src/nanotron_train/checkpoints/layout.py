@@ -9,7 +9,8 @@ import torch
 
 from nanotron_parallel.sharding import ParamMeta, get_param_meta
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: RNG states in safetensors (rng_state.py); 1: pickled, still read
+KNOWN_FORMAT_VERSIONS = (1, 2)
 METADATA_FILE = "checkpoint_metadata.json"
 LATEST_FILE = "latest.txt"
 TMP_PREFIX = ".tmp-"
@@ -25,6 +26,11 @@ def optimizer_file(pp: int, tp: int, dp: int) -> str:
 
 
 def rng_file(rank: int) -> str:
+    return f"rng/rank{rank}.safetensors"
+
+
+def legacy_rng_file(rank: int) -> str:
+    """Format 1's RNG state (a torch.save pickle): read, never written."""
     return f"rng/rank{rank}.pt"
 
 

@@ -10,18 +10,14 @@ exactly, the data position carries over in samples, and the RNGs are reseeded fr
 from __future__ import annotations
 
 import functools
-import io
 import json
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.files import read_verified
 from nanotron_train.checkpoints.layout import (
-    FORMAT_VERSION,
     LATEST_FILE,
     METADATA_FILE,
     ShardInfo,
@@ -30,8 +26,9 @@ from nanotron_train.checkpoints.layout import (
     model_file,
     optimizer_file,
     piece_key,
-    rng_file,
 )
+from nanotron_train.checkpoints.metadata import check_data_state, read_metadata
+from nanotron_train.checkpoints.rng_state import load_rng, reseed
 from nanotron_train.checkpoints.save import _agree
 from nanotron_train.checkpoints.source import CheckpointSource
 from nanotron_train.lr_schedule import LRSchedule
@@ -67,22 +64,6 @@ def resolve_checkpoint(value: str, checkpoints_path: str | None) -> Path:
     raise CheckpointError(
         f"{path}: not a complete checkpoint (no {METADATA_FILE}) and no {LATEST_FILE}"
     )
-
-
-def read_metadata(folder: Path) -> dict:
-    path = folder / METADATA_FILE
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; {folder} is not a complete checkpoint") from None
-    except ValueError:
-        raise CheckpointError(f"{path}: not valid JSON") from None
-    version = meta.get("format_version") if isinstance(meta, dict) else None
-    if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format_version {version!r}, this code reads {FORMAT_VERSION}"
-        )
-    return meta
 
 
 def check_files(folder: Path, meta: dict) -> None:
@@ -126,8 +107,10 @@ def load_checkpoint(folder: str | Path, state, cfg, pc, zero_stage: int) -> dict
         meta = _load(folder, state, cfg, pc, zero_stage)
     except CheckpointError as exc:
         error = str(exc)
-    except (OSError, KeyError, TypeError, RuntimeError) as exc:
-        error = f"{folder}: unreadable checkpoint ({type(exc).__name__}: {exc})"
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+        # e.g. a data state that does not fit the data: still one line naming the folder
+        line = (str(exc).strip().splitlines() or [""])[0][:300]
+        error = f"{folder}: unreadable checkpoint ({type(exc).__name__}: {line})"
     _agree(pc, error)
     return meta
 
@@ -153,16 +136,14 @@ def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
     if cfg.checkpoints.load_lr_scheduler:
         state.lr_schedule = LRSchedule(**_json(folder, meta, "lr_schedule.json"))
     data = _json(folder, meta, "data_state.json")
+    check_data_state(folder, meta, data)
     state.data.load_state_dict(data["data"])
     state.data_step_offset = int(data.get("data_step_offset", 0))
     state.step = int(meta["step"])
     state.consumed_samples = int(meta["consumed_samples"])
     state.consumed_tokens = int(meta["consumed_tokens"])
     if same:
-        records = {r["path"]: r for r in meta["files"]}
-        rel = rng_file(pc.rank)
-        raw = read_verified(folder / rel, records.get(rel))
-        set_rng(torch.load(io.BytesIO(bytes(raw)), weights_only=True))
+        load_rng(folder, pc.rank, {r["path"]: r for r in meta["files"]})
     else:
         reseed(cfg.general.seed + state.step)
     return meta
@@ -228,23 +209,3 @@ def _load_optimizer(src: CheckpointSource, optimizer, pc) -> None:
             "step": step.to(piece.master.device) if fused else step,
             **moments,
         }
-
-
-def set_rng(state: dict) -> None:
-    random.setstate(_to_tuple(state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _to_tuple(x):
-    return tuple(_to_tuple(v) for v in x) if isinstance(x, list | tuple) else x
-
-
-def reseed(seed: int) -> None:
-    """A different world: fresh deterministic streams from (seed, step)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

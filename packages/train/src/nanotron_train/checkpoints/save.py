@@ -9,11 +9,9 @@ at any point leaves either the previous checkpoint named by latest.txt or the ne
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -21,7 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -48,6 +45,7 @@ from nanotron_train.checkpoints.layout import (
     piece_key,
     rng_file,
 )
+from nanotron_train.checkpoints.rng_state import rng_tensors
 from nanotron_train.checkpoints.safetensors_io import save_tensors
 
 log = logging.getLogger(__name__)
@@ -88,20 +86,6 @@ def optimizer_tensors(optimizer, pc) -> tuple[dict[str, torch.Tensor], dict[str,
         if pc_.is_copy:
             tensors[piece_key(pc_.name, pc_.start, pc_.end, "master")] = pc_.master
     return tensors, {"adam_step": adam_step, "pieces": pieces, "params": params}
-
-
-def rng_bytes() -> bytes:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
 
 
 def _agree(pc, error: str | None) -> None:
@@ -222,7 +206,8 @@ def snapshot(state, cfg, pc, zero_stage: int, copy: bool) -> Snapshot:
         tensors, meta = optimizer_tensors(state.optimizer, pc)
         path = optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_cp_rank)
         files.append((path, _host(tensors, copy), meta))
-    files.append((rng_file(pc.rank), None, rng_bytes()))
+    rng, rng_meta = rng_tensors()  # fresh copies already: no host copy needed when async
+    files.append((rng_file(pc.rank), rng, rng_meta))
     if pc.rank == 0:
         schedule = dataclasses.asdict(state.lr_schedule)
         files.append(("lr_schedule.json", None, json.dumps(schedule, indent=1).encode()))
