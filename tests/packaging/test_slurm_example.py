@@ -1,4 +1,4 @@
-"""examples/slurm/train.sbatch: its directives and its srun + torchrun line, parsed; then the
+"""examples/slurm/train.sbatch: its directives and its srun + launcher line, parsed; then the
 script itself run on one "node" with 2 CPU processes (stand-ins for srun and scontrol), from
 the wheels' venv. Data parallel 2 must give the one-process losses."""
 
@@ -63,8 +63,9 @@ def test_sbatch_asks_one_torchrun_per_node_joined_by_a_c10d_rendezvous():
     assert int(d["--nodes"]) >= 2
     assert d["--ntasks-per-node"] == "1"  # torchrun starts the per-GPU processes itself
     words = launch_line(text)
-    torchrun = words.index("torchrun")
-    srun, launcher = words[:torchrun], words[torchrun:]
+    start = words.index("python")  # the launcher: torchrun with one-line user errors
+    srun, launcher = words[:start], words[start:]
+    assert launcher[:3] == ["python", "-m", "nanotron_train.launch"], launcher
     assert srun[0] == "srun" and all(w.startswith("--") and "=" in w for w in srun[1:]), srun
     assert option(launcher, "--nnodes") == "$SLURM_NNODES"
     assert option(launcher, "--rdzv_backend") == "c10d"
@@ -73,14 +74,34 @@ def test_sbatch_asks_one_torchrun_per_node_joined_by_a_c10d_rendezvous():
     assert option(launcher, "--nproc_per_node") == "$NPROC_PER_NODE"
     # The default process count per node is the number of GPUs asked per node.
     assert f"NPROC_PER_NODE=${{NPROC_PER_NODE:-{d['--gpus-per-node']}}}" in text
-    m = launcher.index("-m")
+    m = launcher.index("--config-file")
     assert launcher[m:] == [
-        "-m", "nanotron_train", "--config-file", "$CONFIG",
+        "--config-file", "$CONFIG",
         "--override", "parallelism.dp=$DP", "--override", "parallelism.tp=$TP",
         "--override", "parallelism.pp=$PP",
         "$@",  # extra arguments (--override ...) reach the trainer, after ours: they win
     ]  # fmt: skip
     assert (ROOT / text.split("CONFIG=${CONFIG:-", 1)[1].split("}", 1)[0]).is_file()
+
+
+def test_sbatch_header_names_what_a_first_multi_node_run_needs():
+    """Shared files, the environment, NCCL's network, the dashboard's URL: each named."""
+    text = SBATCH.read_text()
+    header = text.split("#SBATCH", 1)[0]
+    for needed in (
+        "checkpoints.checkpoints_path_is_shared_file_system",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "NANOTRON_DASHBOARD_URL",
+        "NANOTRON_DASHBOARD_TOKEN",
+        "--host 0.0.0.0",
+        "synthetic",
+    ):
+        assert needed in header, needed
+    assert 'source "$VENV/bin/activate"' in text
+    # The examples in the header must not override what the script sets (the layout).
+    examples = [ln for ln in header.splitlines() if "sbatch " in ln and "--override" in ln]
+    assert examples and not [ln for ln in examples if "parallelism." in ln], examples
 
 
 def one_node_env(base: dict[str, str], tmp_path: Path, nproc: int) -> dict[str, str]:
@@ -102,6 +123,7 @@ def one_node_env(base: dict[str, str], tmp_path: Path, nproc: int) -> dict[str, 
         "NPROC_PER_NODE": str(nproc),
         "RDZV_PORT": str(port),
         "CONFIG": str(TINY_CONFIG),
+        "VENV": str(tmp_path / "no-venv"),  # the caller's environment is the one to use
     }
 
 

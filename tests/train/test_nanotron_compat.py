@@ -1,5 +1,5 @@
 """A Nanotron user's config works here: every Nanotron key is implemented or refused in one
-line, the README table says which and cannot drift, and Nanotron's own example YAML runs."""
+line, the table in docs/configuration.md says which and cannot drift, and Nanotron's own example YAML runs."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def example() -> dict:
 
 
 def readme_table() -> dict[str, str]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "configuration.md").read_text()
     block = text.split("<!-- nanotron-keys:start -->")[1].split("<!-- nanotron-keys:end -->")[0]
     return dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", block, flags=re.M))
 
@@ -72,7 +72,7 @@ def test_readme_table_lists_every_nanotron_key_and_each_is_a_field():
     assert [k for k in NANOTRON_KEYS if not resolves(k)] == []
 
 
-# A value that asks for a feature we do not have, per key the README marks "refused".
+# A value that asks for a feature we do not have, per key the keys table (docs/configuration.md) marks "refused".
 REFUSALS = {
     "metrics_logging": {"log_level": 1, "log_detail_interval": 10},
     "lighteval": {"eval_interval": 10},
