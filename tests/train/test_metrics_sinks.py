@@ -329,3 +329,50 @@ def test_failing_training_reports_run_end_failed(tmp_path, monkeypatch):
     assert [c[2] for c in fake.calls[1:3]] == [r["lm_loss"] for r in logged]
     _, status, error = fake.calls[3]
     assert status == "failed" and "RuntimeError: boom at step 3" in error
+
+
+def test_each_file_record_names_its_run_and_attempt(tmp_path, monkeypatch):
+    """A resumed launch appends to the same file: run id and attempt tell its lines apart, and
+    the dashboard's replay of that launch reads only the numbers."""
+    fake = RecordingClient()
+    monkeypatch.setattr("nanotron_train.metrics.dashboard_client", lambda *a, **k: fake)
+    path = tmp_path / "metrics.jsonl"
+    run = RunInfo("p", "n", {}, 1, {"dp": 1, "tp": 1, "pp": 1})
+    first = MetricsLogger(str(path), run=run, stream=io.StringIO())
+    for rec in records(2):
+        first.log(rec)
+    first.close()
+    again = MetricsLogger(str(path), run=run, stream=io.StringIO(), run_id=first.run_id)
+    offset = path.stat().st_size
+    again.log(records(2)[1])  # step 2 again, after a rollback to a checkpoint
+    again.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["run_id"], r["attempt"]) for r in lines] == [
+        (1, first.run_id, first.attempt),
+        (2, first.run_id, first.attempt),
+        (2, first.run_id, again.attempt),
+    ]
+    assert len(first.attempt) == 16 and first.attempt != again.attempt
+    starts = [c[1]["attempt"] for c in fake.calls if c[0] == "run_start"]
+    assert starts == [first.attempt, again.attempt]  # the dashboard's attempt ids
+    client = DashboardClient(
+        "http://127.0.0.1:9", run_id="r", metrics_file=str(path), start_offset=offset
+    )
+    replay = client._records_after(-1)
+    client.close(0.1)
+    assert [sorted(r) for r in replay] == [sorted(k for k in records(2)[1] if k != "mfu")]
+    assert replay[0]["lm_loss"] == records(2)[1]["lm_loss"]
+
+
+@pytest.mark.parametrize(
+    ("memory", "shown"),
+    [(512, "512 B"), (15_833_497, "15.1 MiB"), (3 << 30, "3.00 GiB"), (1000 << 20, "1000 MiB")],
+)
+def test_sizes_in_binary_units_in_step_lines_and_checkpoint_listings(memory, shown):
+    from nanotron_train.checkpoints.listing import CheckpointEntry, to_table
+    from nanotron_train.metrics import format_line
+
+    rec = {**records(1)[0], "memory": memory}
+    assert format_line(rec, 10).endswith(f" | memory: {shown}")
+    entry = CheckpointEntry(step=4, path="x/4", size=memory, complete=True)
+    assert f" {shown:>10}  complete" in to_table([entry])

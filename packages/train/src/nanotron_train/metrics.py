@@ -5,6 +5,9 @@ consumed_tokens, lm_loss, grad_norm, lr, tokens_per_sec, tokens_per_sec_per_gpu,
 time_per_iteration_ms, model_tflops_per_gpu, mfu (null unless the device's peak is known),
 memory (peak bytes: CUDA allocated, or the process's max RSS on CPU), global_batch_size; and
 val_loss, val_ppl on the steps that evaluate (every tokens.val_check_interval and the last).
+In the JSON lines file each record also names its run and attempt (`run_id`, `attempt`: the
+ids the dashboard gets in run_start), so the lines a resumed run appends to the same file
+(its steps again after a rollback to a checkpoint) tell the attempts apart.
 
 Sinks of the logging rank: stdout, the JSON lines file, TensorBoard, wandb, and the dashboard
 (`dashboard_sink.py`), which also gets run_start, checkpoints and run_end.
@@ -32,6 +35,7 @@ from nanotron_train.dashboard_sink import (
     new_run_id,
     resumed_from,
 )
+from nanotron_train.sizes import format_bytes
 
 
 class MetricsSinkError(ValueError):
@@ -129,7 +133,7 @@ def format_line(rec: dict[str, Any], train_steps: int) -> str:
         parts.append(f"val_ppl: {rec['val_ppl']:.4g}")
     if rec["mfu"] is not None:
         parts.append(f"mfu: {100 * rec['mfu']:.2f}%")
-    parts.append(f"memory: {_human(rec['memory'])}B")
+    parts.append(f"memory: {format_bytes(rec['memory'])}")
     return " | ".join(parts)
 
 
@@ -206,6 +210,7 @@ class MetricsLogger:
         self.end_status = "finished"  # or "preempted" (set by the trainer)
         # A restarted attempt (--resume auto) keeps the run id of the run it continues.
         self.run_id = run_id or new_run_id(run.project if run else "nanotron", run_name)
+        self.attempt = secrets.token_hex(8)  # this launch: the file's records carry both
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -241,14 +246,15 @@ class MetricsLogger:
                 cwd=run.cwd,
                 checkpoints_path=run.checkpoints_path,
                 resumed_from=run.resumed_from,
-                attempt=secrets.token_hex(8),
+                attempt=self.attempt,
             )
 
     def log(self, rec: dict[str, Any]) -> None:
         if self.stream is not None:  # None: logging.log_level is above info
             print(format_line(rec, self.train_steps), file=self.stream, flush=True)
         if self._file is not None:
-            self._file.write(json.dumps(rec) + "\n")
+            self._file.write(json.dumps({**rec, "run_id": self.run_id, "attempt": self.attempt}))
+            self._file.write("\n")
             self._file.flush()
         scalars = {k: v for k, v in rec.items() if isinstance(v, int | float) and k != "step"}
         if self._tb is not None:

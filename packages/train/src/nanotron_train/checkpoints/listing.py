@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.layout import LATEST_FILE, METADATA_FILE, TMP_PREFIX
+from nanotron_train.sizes import format_bytes
 
 
 @dataclass
@@ -79,11 +80,7 @@ def to_json(entries: list[CheckpointEntry]) -> str:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return format_bytes(n)  # binary units, labelled MiB, as everywhere the trainer prints
 
 
 def to_table(entries: list[CheckpointEntry]) -> str:
