@@ -10,12 +10,12 @@ Nanotron features this project does not have: their message says which feature.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanotron_models.config import ModelConfigError
 from nanotron_train.config_loader import ConfigError
+from nanotron_train.config_rules import Check, at_least, below_one, positive, refused
+from nanotron_train.config_values import validate_values
 from nanotron_train.context_parallel_config import validate_context_parallel
 from nanotron_train.data.stages import HF_ONLY, NANOSET_ONLY, DatasetSpec
 from nanotron_train.fault_config import validate_fault
@@ -25,52 +25,6 @@ from nanotron_train.validation_config import validate_validation
 
 if TYPE_CHECKING:
     from nanotron_train.config import Config, DatasetStageArgs
-
-
-@dataclass(frozen=True)
-class Check:
-    key: str
-    holds: Callable[..., bool]  # (cfg) or, in STAGE_CHECKS, (cfg, stage)
-    message: Callable[..., str] | str
-
-
-def value(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def at_least(path: str, low: float, nullable: bool = False, strict: bool = False) -> Check:
-    """value >= low (> low when strict); null allowed when nullable."""
-
-    def holds(c) -> bool:
-        v = value(c, path)
-        return (nullable and v is None) or (v is not None and (v > low if strict else v >= low))
-
-    bound = f"{'>' if strict else '>='} {low}{' or null' if nullable else ''}"
-    return Check(path, holds, lambda c: f"must be {bound}, got {value(c, path)}")
-
-
-def positive(path: str, nullable: bool = False) -> Check:
-    return at_least(path, 0, nullable, strict=True)
-
-
-def below_one(path: str) -> Check:
-    """An Adam beta: in [0, 1) (or null: the default)."""
-    return Check(
-        path,
-        lambda c: value(c, path) is None or 0 <= value(c, path) < 1,
-        lambda c: f"must be in [0, 1), got {value(c, path)}",
-    )
-
-
-def refused(path: str, allowed: Callable[[Any], bool], feature: str) -> Check:
-    """A key whose value asks for a Nanotron feature this project does not have."""
-    return Check(
-        path,
-        lambda c: allowed(value(c, path)),
-        lambda c: f"{value(c, path)!r} asks for {feature}, which this project does not have",
-    )
 
 
 def _model_config_error(cfg: Config) -> str | None:
@@ -409,6 +363,7 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
             f"world size is {world_size}",
             source,
         )
+    validate_values(cfg, source)  # finite numbers, 64-bit integers, seeds, path kinds
     for check in CHECKS:
         if not check.holds(cfg):
             _fail(check, source, cfg)
