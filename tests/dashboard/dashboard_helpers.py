@@ -18,6 +18,9 @@ from pathlib import Path
 LOCAL = "http://127.0.0.1:8008"
 WS = "ws://127.0.0.1:8008"
 JSON_HEADERS = {"content-type": "application/json"}
+# the launch token of the dashboards started with --allow-launch (an owner's trainer sends it)
+LAUNCH_TOKEN = "launch-token-for-tests"
+OWNER_HEADERS = {**JSON_HEADERS, "Authorization": f"Bearer {LAUNCH_TOKEN}"}
 
 
 def free_port() -> int:
@@ -41,11 +44,12 @@ class Dashboard:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
-    def post(self, path: str, body: object) -> object:
+    def post(self, path: str, body: object, token: str | None = None) -> object:
+        """POST JSON with `token` (e.g. LAUNCH_TOKEN: an owner's trainer), else the access one."""
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST")
         req.add_header("content-type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+        if token or self.token:
+            req.add_header("Authorization", f"Bearer {token or self.token}")
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
@@ -81,6 +85,8 @@ def start_dashboard(
     if token:
         args += ["--token", token]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if "--allow-launch" in extra:
+        env.setdefault("NANOTRON_DASHBOARD_LAUNCH_TOKEN", LAUNCH_TOKEN)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     d = Dashboard(f"http://127.0.0.1:{port}", db, port, proc, token)
     deadline = time.monotonic() + 30

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dashboard_helpers import LAUNCH_TOKEN
 
 pytestmark = pytest.mark.browser
 
@@ -22,7 +23,9 @@ def seed(d, run_id: str, tmp: Path, steps: int = 300) -> None:
             "config": {"note": "<script>x</script>"},
             "command": [sys.executable, "-c", "print(1)"],
             "cwd": str(tmp),
+            "checkpoints_path": str(tmp / "ck"),
         },
+        token=LAUNCH_TOKEN,  # the owner's trainer: the Resume button may run this command
     )
     d.post(
         "/api/ingest",
@@ -61,7 +64,8 @@ def test_run_list_and_run_page(browser, live_dashboard, tmp_path):
     page = ctx.new_page()
     dialogs = []
     page.on("dialog", lambda dlg: (dialogs.append(dlg.message), dlg.dismiss()))
-    page.goto(d.url + "/")
+    page.goto(d.url + "/?token=" + LAUNCH_TOKEN)  # the owner signs in once (a cookie)
+    assert page.url == d.url + "/"
     row = page.locator('tr[data-run-id="br-1"]')
     row.wait_for(timeout=10_000)
     assert row.locator("td").nth(2).inner_text() == "<img src=x onerror=alert(1)>"  # shown as text

@@ -318,7 +318,7 @@ def test_finding10_corrupt_file_second_server_and_full_disk(tmp_path, caplog):
     db.write_bytes(bytes(data))
     with pytest.raises(DatabaseFileError) as e:  # (main() prints it as one line, exit 2)
         create_app(Settings(db=str(db)))
-    assert f"--db {db} is corrupt" in str(e.value) and "sqlite3 " in str(e.value)
+    assert f"--db {db} is corrupt" in str(e.value) and "sqlite3 " in str(e.value), e.value
     assert ".recover" in str(e.value)
 
 

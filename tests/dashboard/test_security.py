@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from dashboard_helpers import JSON_HEADERS, LOCAL, WS
+from dashboard_helpers import JSON_HEADERS, LAUNCH_TOKEN, LOCAL, WS
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
@@ -67,11 +67,11 @@ def test_token_guards_api_pages_and_ingest(tmp_path):
             assert ws.receive_json() == {"type": "runs_changed", "ids": ["r"]}
 
 
-def _with_checkpoint(c, tmp_path, command):
-    c.post(
-        "/api/ingest",
-        json={"type": "run_start", "run_id": "parent", "command": command, "cwd": str(tmp_path)},
-    )
+def _with_checkpoint(c, tmp_path, command, headers=None):
+    """A run (started by a trainer holding the launch token when `headers` carry it) and one
+    checkpoint inside its checkpoints path; the checkpoint's id."""
+    start = {"type": "run_start", "run_id": "parent", "command": command, "cwd": str(tmp_path)}
+    c.post("/api/ingest", json={**start, "checkpoints_path": "ck"}, headers=headers)
     c.post(
         "/api/ingest",
         json={
@@ -94,9 +94,9 @@ def test_launch_is_off_by_default_and_csrf_protected(tmp_path):
         r = c.post(f"/api/checkpoints/{ck}/resume", headers={"X-CSRF-Token": session["csrf"]})
         assert r.status_code == 403 and "--allow-launch" in r.json()["detail"]
     with TestClient(
-        create_app(Settings(db=str(tmp_path / "b.db"), allow_launch=True)),
+        create_app(Settings(db=str(tmp_path / "b.db"), allow_launch=True, launch_token="L")),
         base_url=LOCAL,
-        headers=JSON_HEADERS,
+        headers={**JSON_HEADERS, "Authorization": "Bearer L"},
     ) as c:
         ck = _with_checkpoint(c, tmp_path, ["true"])
         csrf = c.get("/api/session").json()["csrf"]
@@ -144,8 +144,10 @@ def test_resume_launch_runs_stored_command_and_links_parent(live_dashboard, tmp_
             "type": "run_start",
             "run_id": "launch-parent",
             "cwd": str(tmp_path),
+            "checkpoints_path": "ck",
             "command": [sys.executable, "fake_train.py", "--resume", "old"],
         },
+        token=LAUNCH_TOKEN,  # the owner's trainer: its command may be launched
     )
     d.post(
         "/api/ingest", {"type": "checkpoint", "run_id": "launch-parent", "step": 7, "path": "ck/7"}
@@ -154,11 +156,15 @@ def test_resume_launch_runs_stored_command_and_links_parent(live_dashboard, tmp_
     assert ck["resume_command"].endswith("fake_train.py --resume ck/7")
     import urllib.request
 
-    csrf = d.get("/api/session")["csrf"]
+    owner = {"Authorization": f"Bearer {LAUNCH_TOKEN}"}
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{d.url}/api/session", headers=owner), timeout=10
+    ) as r:
+        csrf = json.loads(r.read())["csrf"]
     req = urllib.request.Request(
         f"{d.url}/api/checkpoints/{ck['id']}/resume",
         method="POST",
-        headers={"X-CSRF-Token": csrf, "Origin": d.url},
+        headers={"X-CSRF-Token": csrf, "Origin": d.url, **owner},
     )
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 202 and json.loads(r.read())["cwd"] == str(tmp_path)

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dashboard_helpers import JSON_HEADERS, LOCAL, WS, start_dashboard
+from dashboard_helpers import LAUNCH_TOKEN, LOCAL, OWNER_HEADERS, WS, start_dashboard
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
@@ -32,9 +32,14 @@ HIJACK = {
 def app_client(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("threats")
     app = create_app(
-        Settings(db=str(tmp / "t.db"), allow_launch=True, allowed_hosts=("dash.internal",))
+        Settings(
+            db=str(tmp / "t.db"),
+            allow_launch=True,
+            launch_token=LAUNCH_TOKEN,
+            allowed_hosts=("dash.internal",),
+        )
     )
-    with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as c:
+    with TestClient(app, base_url=LOCAL, headers=OWNER_HEADERS) as c:  # the owner's browser
         r = c.post(
             "/api/ingest",
             json={
@@ -236,17 +241,25 @@ def test_finding5_parallel_launches_start_one_child_and_reap_it(live_dashboard, 
             "type": "run_start",
             "run_id": "dedup",
             "cwd": str(tmp_path),
+            "checkpoints_path": "ck",
             "command": [sys.executable, str(script)],
         },
+        token=LAUNCH_TOKEN,
     )
     d.post("/api/ingest", {"type": "checkpoint", "run_id": "dedup", "step": 1, "path": "ck/1"})
     ck = d.get("/api/runs/dedup/checkpoints")[0]["id"]
-    csrf = d.get("/api/session")["csrf"]
+    owner = {"Authorization": f"Bearer {LAUNCH_TOKEN}"}
+    with urllib.request.urlopen(
+        urllib.request.Request(d.url + "/api/session", headers=owner), timeout=10
+    ) as r:
+        csrf = json.loads(r.read())["csrf"]
     codes: list[int] = []
 
     def post() -> None:
         req = urllib.request.Request(
-            f"{d.url}/api/checkpoints/{ck}/resume", method="POST", headers={"X-CSRF-Token": csrf}
+            f"{d.url}/api/checkpoints/{ck}/resume",
+            method="POST",
+            headers={"X-CSRF-Token": csrf, **owner},
         )
         try:
             with urllib.request.urlopen(req, timeout=20) as r:

@@ -12,11 +12,12 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from . import csv_export, queries
+from .auth import OWNER, auth_level, level_name
 from .checkpoints import scan_checkpoints
 from .db import delete_run
 from .errors import DashboardError
-from .launch import AlreadyRunning
-from .security import require_csrf
+from .launch import AlreadyRunning, NotGranted, plan
+from .security import csrf_allowed, require_csrf
 from .store import is_disk_full, upsert_checkpoint
 
 router = APIRouter()
@@ -51,17 +52,26 @@ def page_run(run_id: str) -> FileResponse:
     return FileResponse(STATIC / "run.html")
 
 
+@router.get("/docs", include_in_schema=False)
+def page_docs() -> FileResponse:
+    """The API reference, drawn from /openapi.json by a local script (no CDN)."""
+    return FileResponse(STATIC / "docs.html")
+
+
 @router.get("/api/session", tags=["runs"])
 def session(request: Request) -> dict[str, Any]:
-    """What the pages need: whether launching is allowed, the CSRF token for state-changing
-    requests, the stall threshold. Served only to the dashboard's own pages (and non-browser
-    clients): a browser marks a request from another site's page with Sec-Fetch-Site."""
+    """What the pages need: whether this request may launch, the CSRF token for
+    state-changing requests (only to a request that proved a credential, or to anyone when
+    the server has none), the stall threshold. Never to another site's page: a browser marks
+    a request from another site with Sec-Fetch-Site."""
     if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
         raise HTTPException(403, "the session is served to the dashboard's own pages only")
     s = request.app.state.settings
+    level = auth_level(request.scope)
     return {
-        "allow_launch": s.allow_launch,
-        "csrf": request.app.state.csrf,
+        "allow_launch": s.allow_launch and level == OWNER,
+        "signed_in_as": level_name(level),
+        "csrf": request.app.state.csrf if csrf_allowed(request) else None,
         "stall_seconds": s.stall_seconds,
     }
 
@@ -219,34 +229,33 @@ def diff(request: Request, a: str, b: str) -> dict[str, Any]:
     dependencies=[Depends(require_csrf)],
 )
 def resume(request: Request, checkpoint_id: int) -> JSONResponse:
-    """Start the stored resume command of a listed checkpoint (only with --allow-launch).
+    """Start the resume command of a listed checkpoint (--allow-launch, the launch token).
 
-    The request names a checkpoint id only; the command and cwd are the run's, fixed by its
-    first run_start. 409 while a previous launch of the same checkpoint still runs."""
+    The request names a checkpoint id only; the command and cwd are the run's launch grant
+    (sent by a trainer holding the launch token), the checkpoint must lie in its checkpoints
+    path. 409 while a previous launch of the same checkpoint still runs."""
     state = request.app.state
     if not state.settings.allow_launch:
         raise HTTPException(403, "launching is disabled: start the dashboard with --allow-launch")
+    if auth_level(request.scope) != OWNER:
+        raise HTTPException(403, "launching needs the launch token: open /?token=<launch token>")
     if not 0 <= checkpoint_id < 2**63:
         raise HTTPException(404, f"checkpoint {checkpoint_id} not found")
     with _conn(request) as c:
-        ck = c.exec_driver_sql(
-            "SELECT c.path, r.id FROM checkpoints c JOIN runs r ON r.pk=c.run_pk WHERE c.id=?",
-            (checkpoint_id,),
-        ).first()
-        if ck is None:
-            raise HTTPException(404, f"checkpoint {checkpoint_id} not found")
-        row = queries.run_row(c, ck[1])
+        p = plan(c, checkpoint_id)
+    if p is None:
+        raise HTTPException(404, f"checkpoint {checkpoint_id} not found")
+    # the child is the owner's trainer: it streams, and its own run becomes launchable
     env = {"NANOTRON_DASHBOARD_URL": state.settings.public_url}
-    if state.settings.token:
-        env["NANOTRON_DASHBOARD_TOKEN"] = state.settings.token
-    launched = state.launcher.launch(checkpoint_id, json.loads(row.command), row.cwd, ck[0], env)
+    env["NANOTRON_DASHBOARD_TOKEN"] = state.settings.launch_token
+    launched = state.launcher.launch(checkpoint_id, p.command, p.cwd, p.checkpoint, env)
     return JSONResponse(
         {
             "pid": launched.pid,
             "argv": launched.argv,
             "cwd": launched.cwd,
             "log": launched.log,
-            "parent_run": ck[1],
+            "parent_run": p.run_id,
         },
         202,
     )
@@ -260,6 +269,10 @@ def error_handlers(app: Any) -> None:
     @app.exception_handler(AlreadyRunning)
     async def _busy(_r: Request, e: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(e)}, 409)
+
+    @app.exception_handler(NotGranted)
+    async def _barred(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, 403)
 
     @app.exception_handler(DashboardError)
     async def _bad(_r: Request, e: Exception) -> JSONResponse:

@@ -13,13 +13,14 @@ from fastapi.staticfiles import StaticFiles
 
 from . import __version__, api, ingest, telemetry_api
 from .alerts import StallWatch, WebhookSender
+from .auth import AuthMiddleware, CookieSigner
 from .db import lock_database, open_database
 from .errors import MissingAssetError, StartupConfigError
 from .guard import BrowserGuard, HostPolicy
 from .hub import Hub
 from .launch import Launcher
 from .queries import load_series
-from .security import TokenMiddleware
+from .security import Redactor
 from .series import SeriesCache
 from .telemetry_store import StallCheck
 from .writer import Writer
@@ -33,7 +34,8 @@ class Settings:
     db: str
     host: str = "127.0.0.1"
     port: int = 8008
-    token: str | None = None
+    token: str | None = None  # the access token: reading and streaming
+    launch_token: str | None = None  # the owner's: also launching (needed by allow_launch)
     allow_launch: bool = False
     stall_seconds: float = 120.0
     allowed_hosts: tuple[str, ...] = ()  # served besides the bound host and loopback names
@@ -67,8 +69,22 @@ def stall_check_period(stall_after: float) -> float:
     return min(max(stall_after / 4, 0.2), 30.0)
 
 
+def check_launch(settings: Settings) -> None:
+    if settings.allow_launch and not settings.launch_token:
+        raise StartupConfigError(
+            "--allow-launch needs a launch token: --launch-token-file FILE (mode 600) or "
+            "NANOTRON_DASHBOARD_LAUNCH_TOKEN; anyone on this machine reaches 127.0.0.1"
+        )
+    if settings.launch_token and settings.launch_token == settings.token:
+        raise StartupConfigError(
+            "the launch token equals the access token: a trainer's credential must not be "
+            "enough to launch; give two different tokens"
+        )
+
+
 def create_app(settings: Settings) -> FastAPI:
     check_assets()
+    check_launch(settings)
     if not settings.stall_after > 0:
         raise StartupConfigError(f"--stall-after {settings.stall_after}: must be > 0 seconds")
     webhooks = WebhookSender(
@@ -118,7 +134,14 @@ def create_app(settings: Settings) -> FastAPI:
         engine.dispose()
         lock.close()
 
-    app = FastAPI(title="nanotron dashboard", version=__version__, lifespan=lifespan)
+    # FastAPI's /docs and /redoc load scripts from a CDN: off; api.py serves a local page
+    app = FastAPI(
+        title="nanotron dashboard",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.engine = engine
     app.state.cache = cache
@@ -133,8 +156,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(telemetry_api.router)
     api.error_handlers(app)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
-    if settings.token:
-        app.add_middleware(TokenMiddleware, token=settings.token)
+    cookies = CookieSigner(settings.port)
+    app.state.cookies = cookies
+    app.state.redactor = Redactor([settings.token, settings.launch_token])
+    app.add_middleware(
+        AuthMiddleware, access=settings.token, launch=settings.launch_token, cookies=cookies
+    )
     # outermost (added last): the Host and Origin checks run before anything else
     app.add_middleware(BrowserGuard, hosts=HostPolicy(settings.host, settings.allowed_hosts))
     return app

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import logging
 import os
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from .errors import DashboardError, StartupConfigError
 from .messages import MAX_MESSAGE_BYTES
 
 TOKEN_ENV = "NANOTRON_DASHBOARD_TOKEN"
+LAUNCH_TOKEN_ENV = "NANOTRON_DASHBOARD_LAUNCH_TOKEN"
 
 
 def is_loopback(host: str) -> bool:
@@ -46,7 +46,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also serve requests for this host name (a reverse proxy's or the machine's DNS "
         "name); the bound host and loopback names always are (repeatable)",
     )
-    p.add_argument("--allow-launch", action="store_true", help="enable the Resume button")
+    p.add_argument(
+        "--allow-launch",
+        action="store_true",
+        help=f"enable the Resume button; needs a launch token (--launch-token-file or "
+        f"{LAUNCH_TOKEN_ENV}), different from the access token",
+    )
+    p.add_argument(
+        "--launch-token-file",
+        default=None,
+        metavar="FILE",
+        help="the launch token (mode 600): it alone may resume runs, and only runs whose "
+        "run_start was sent with it",
+    )
     p.add_argument("--stall-seconds", type=float, default=120.0, help="heartbeat age => stalled")
     p.add_argument(
         "--stall-after",
@@ -67,6 +79,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _token_file(path: str, flag: str, private: bool) -> str:
+    from .security import check_token
+
+    try:
+        if private and os.stat(path).st_mode & 0o077:
+            raise StartupConfigError(
+                f"{flag} {path}: other users can read it (mode "
+                f"{os.stat(path).st_mode & 0o777:o}): chmod 600 {path}"
+            )
+        text = Path(path).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise StartupConfigError(f"{flag} {path}: {e}") from None
+    return check_token(text, f"{flag} {path}")
+
+
 def resolve_token(args: argparse.Namespace) -> str | None:
     """--token, else --token-file, else $NANOTRON_DASHBOARD_TOKEN, else none."""
     from .security import check_token
@@ -74,13 +101,19 @@ def resolve_token(args: argparse.Namespace) -> str | None:
     if args.token is not None:
         return check_token(args.token, "--token")
     if args.token_file is not None:
-        try:
-            text = Path(args.token_file).read_text().rstrip("\r\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise StartupConfigError(f"--token-file {args.token_file}: {e}") from None
-        return check_token(text, f"--token-file {args.token_file}")
+        return _token_file(args.token_file, "--token-file", private=False)
     env = os.environ.get(TOKEN_ENV)
     return check_token(env, TOKEN_ENV) if env is not None else None
+
+
+def resolve_launch_token(args: argparse.Namespace) -> str | None:
+    """--launch-token-file (readable by its owner only), else $NANOTRON_DASHBOARD_LAUNCH_TOKEN."""
+    from .security import check_token
+
+    if args.launch_token_file is not None:
+        return _token_file(args.launch_token_file, "--launch-token-file", private=True)
+    env = os.environ.get(LAUNCH_TOKEN_ENV)
+    return check_token(env, LAUNCH_TOKEN_ENV) if env is not None else None
 
 
 def delete_run_main(argv: list[str]) -> int:
@@ -133,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             token=token,
+            launch_token=resolve_launch_token(args),
             allow_launch=args.allow_launch,
             stall_seconds=args.stall_seconds,
             allowed_hosts=tuple(args.allowed_host),
@@ -145,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from .security import RedactTokens
+    from .security import install_redaction
 
     config = uvicorn.Config(
         app,
@@ -158,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         # would go unseen and a healthy trainer be cut off; heartbeats show dead ones (stalled)
         ws_ping_interval=None,
     )
-    for name in ("uvicorn.access", "uvicorn.error"):  # after Config has set logging up
-        logging.getLogger(name).addFilter(RedactTokens())
+    install_redaction(app.state.redactor)  # after Config has set logging up
     login = " (token required: open it once as /?token=<your token>)" if token else ""
+    if settings.allow_launch:
+        login += " (to resume runs, open it once as /?token=<launch token>)"
     print(f"nanotron-dashboard: serving {args.db} at {settings.public_url}/{login}", flush=True)
     uvicorn.Server(config).run()
     return 0

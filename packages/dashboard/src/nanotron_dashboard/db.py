@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -142,6 +143,18 @@ checkpoints = Table(
     UniqueConstraint("run_pk", "step", name="uq_checkpoint_run_step"),
 )
 
+# What Resume may run for a run: the command, cwd and checkpoints path exactly as a trainer
+# holding the launch token sent them (launch.py). A request never adds to it; a run_start
+# without the launch token leaves a run unlaunchable. A new table: no migration.
+launch_grants = Table(
+    "launch_grants",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("command", Text, nullable=False),  # JSON argv
+    Column("cwd", String),
+    Column("checkpoints_path", String),
+)
+
 
 # --- issue 19: telemetry. New tables, so create_all adds them to older files (no migration).
 
@@ -242,33 +255,35 @@ def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
     cur.close()
 
 
-def lock_database(path: str | Path) -> IO[str]:
-    """Hold `<db>.lock` (flock) while serving: a second server on the same file refuses to
-    start instead of serving series that the first one's writer changes under it.
+def lock_database(path: str | Path) -> IO[bytes]:
+    """Hold an flock on the database file itself while serving: a second server on the same
+    file, under any path to it (a symlink, a hard link, `..`), refuses to start instead of
+    serving series that the first one's writer changes under it.
 
-    A separate file, because closing any descriptor of the database itself would drop
-    SQLite's own POSIX locks. The lock goes with the process, even on SIGKILL.
+    flock belongs to the file (its inode), not the name, and SQLite's own locks are POSIX
+    locks, which flock does not touch. The descriptor stays open until after the engine is
+    disposed (closing a descriptor of the file drops the process's POSIX locks on it). A new
+    database is created readable by its owner only. The lock goes with the process, even on
+    SIGKILL.
     """
-    lock_path = Path(str(path) + ".lock")
     try:
-        f = open(lock_path, "a+")  # noqa: SIM115 - held for the server's lifetime
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except IsADirectoryError:
+        raise DatabaseFileError(f"--db {path}: is a directory, not a database file") from None
     except OSError as e:
-        raise DatabaseFileError(
-            f"--db {path}: cannot create its lock file {lock_path}: {e}"
-        ) from None
+        raise DatabaseFileError(f"--db {path}: cannot open it: {e.strerror}") from None
+    f = os.fdopen(fd, "rb+", buffering=0)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise DatabaseFileError(f"--db {path}: not a regular file")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.seek(0)
-        holder = f.read().strip()
         f.close()
         raise DatabaseFileError(
-            f"--db {path}: another nanotron-dashboard{f' (pid {holder})' if holder else ''} "
-            "is serving this file; stop it first or use another --db"
+            f"--db {path}: another nanotron-dashboard is serving this file (maybe under "
+            "another path to it); stop it first or use another --db"
         ) from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
     return f
 
 
@@ -288,7 +303,7 @@ def open_database(path: str | Path) -> Engine:
     except SADatabaseError as e:
         engine.dispose()
         raise DatabaseFileError(
-            f"--db {path}: unreadable database ({e.orig}); {RECOVER_HINT.format(path=path)}"
+            f"--db {path} is corrupt or unreadable ({e.orig}); {RECOVER_HINT.format(path=path)}"
         ) from None
     except DatabaseFileError:
         engine.dispose()
@@ -354,6 +369,7 @@ def delete_run(conn: object, run_id: str) -> int | None:
         "run_nonfinite",
         "run_attempts",
         "checkpoints",
+        "launch_grants",
         *TELEMETRY_TABLES,
     ):
         conn.exec_driver_sql(f"DELETE FROM {table} WHERE run_pk=?", (pk,))  # type: ignore[attr-defined]

@@ -29,8 +29,6 @@ CSP = (
     "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'; "
     "object-src 'none'"
 )
-# FastAPI's /docs pages load their scripts from a CDN: they keep the framing protection only
-_DOC_PATHS = ("/docs", "/redoc")
 
 
 def hostname_of(host_header: str) -> str | None:
@@ -113,9 +111,7 @@ def security_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
         (b"referrer-policy", b"no-referrer"),
         (b"cross-origin-resource-policy", b"same-origin"),
     ]
-    path = scope.get("path", "")
-    csp = "frame-ancestors 'none'" if path.startswith(_DOC_PATHS) else CSP
-    out.append((b"content-security-policy", csp.encode()))
+    out.append((b"content-security-policy", CSP.encode()))
     return out
 
 

@@ -12,6 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
+from .auth import OWNER, auth_level
+from .launch import grant_job
 from .messages import MAX_MESSAGE_BYTES, MessageError, RunStart, parse_messages
 from .store import refusal
 
@@ -35,6 +37,15 @@ def _result(fut: Future) -> dict[str, Any]:
         return fut.result()
     except Exception as e:  # a bug in the writer: reported, never a dropped connection
         return refusal(500, f"the dashboard could not store this message: {e}")
+
+
+def _grant(writer: Any, scope: dict[str, Any], msgs: list[Any]) -> None:
+    """Queued right behind them: the run_starts of a trainer holding the launch token make
+    their commands launchable (only theirs, only as sent)."""
+    if auth_level(scope) == OWNER:
+        for m in msgs:
+            if isinstance(m, RunStart):
+                writer.submit(grant_job(m))
 
 
 async def _put_waiting(writer: Any, items: list[Any]) -> None:
@@ -65,6 +76,7 @@ async def ws_ingest(ws: WebSocket) -> None:
             return
         fut: Future = Future()
         await _put_waiting(writer, [(msg, fut, size)])
+        _grant(writer, ws.scope, [msg])
         if isinstance(msg, RunStart):  # the reply tells the trainer what to replay
             await asyncio.wrap_future(fut)
             await ws.send_text(json.dumps(_result(fut)))
@@ -143,6 +155,7 @@ async def http_ingest(request: Request) -> JSONResponse:
             503,
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+    _grant(writer, request.scope, [m for _, m, _ in items])
     results: list[Any] = []
     accepted = 0
     for i, _, fut in items:

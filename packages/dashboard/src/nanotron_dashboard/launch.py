@@ -1,4 +1,8 @@
-"""Starting a resume from a listed checkpoint: the stored command, the stored cwd, no shell.
+"""Starting a resume from a listed checkpoint: the granted command, its cwd, no shell.
+
+What may run is decided by the database, never by the request: a run's launch grant holds the
+command, cwd and checkpoints path that a trainer holding the launch token sent in its
+run_start, and the checkpoint must lie inside that checkpoints path.
 
 One launch per checkpoint at a time (a double click, or three parallel POSTs, start one
 trainer, not three), and every child is reaped by a waiting thread as soon as it exits.
@@ -6,6 +10,7 @@ trainer, not three), and every child is reaped by a waiting thread as soon as it
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -13,8 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoints import resume_argv
+from sqlalchemy.engine import Connection
+
+from .checkpoints import resolve_dir, resume_argv
 from .errors import DashboardError
+from .messages import RunStart
 
 
 class LaunchError(DashboardError):
@@ -23,6 +31,71 @@ class LaunchError(DashboardError):
 
 class AlreadyRunning(DashboardError):
     """A launch of this checkpoint is still running (HTTP 409)."""
+
+
+class NotGranted(DashboardError):
+    """This run or checkpoint may not be launched (HTTP 403)."""
+
+
+def grant_job(m: RunStart) -> object:
+    """A writer job, queued after a run_start sent with the launch token: grant that run's
+    command if the stored one is the one this trainer sent (a refused 409 grants nothing)."""
+    sent = (json.dumps(m.command), m.cwd, m.checkpoints_path)
+
+    def job(conn: Connection) -> bool:
+        row = conn.exec_driver_sql(
+            "SELECT pk, command, cwd, checkpoints_path FROM runs WHERE id=?", (m.run_id,)
+        ).first()
+        if row is None or tuple(row[1:]) != sent or not m.command:
+            return False
+        conn.exec_driver_sql(
+            "INSERT OR REPLACE INTO launch_grants(run_pk, command, cwd, checkpoints_path) "
+            "VALUES (?, ?, ?, ?)",
+            (row[0], *sent),
+        )
+        return True
+
+    return job
+
+
+@dataclass
+class Plan:
+    run_id: str
+    command: list[str]
+    cwd: str | None
+    checkpoint: str
+
+
+def plan(conn: Connection, checkpoint_id: int) -> Plan | None:
+    """What resuming this checkpoint runs; None if no such checkpoint, NotGranted if barred."""
+    row = conn.exec_driver_sql(
+        "SELECT c.path, r.id, g.command, g.cwd, g.checkpoints_path FROM checkpoints c "
+        "JOIN runs r ON r.pk=c.run_pk LEFT JOIN launch_grants g ON g.run_pk=c.run_pk "
+        "WHERE c.id=?",
+        (checkpoint_id,),
+    ).first()
+    if row is None:
+        return None
+    path, run_id, command, cwd, ck_root = row
+    if command is None:
+        raise NotGranted(
+            f"run {run_id!r} may not be launched from here: its run_start was not sent with "
+            "the launch token"
+        )
+    if not ck_root:
+        raise NotGranted(f"run {run_id!r} recorded no checkpoints path to resume from")
+    try:
+        inside = (
+            resolve_dir(path, cwd).resolve().is_relative_to(resolve_dir(ck_root, cwd).resolve())
+        )
+    except (OSError, ValueError, RuntimeError):
+        inside = False
+    if not inside:
+        raise NotGranted(
+            f"checkpoint {checkpoint_id} ({path}) is not inside run {run_id!r}'s checkpoints "
+            f"path {ck_root}"
+        )
+    return Plan(run_id, json.loads(command), cwd, path)
 
 
 @dataclass

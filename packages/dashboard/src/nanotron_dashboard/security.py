@@ -1,28 +1,24 @@
-"""Token authentication for every HTTP and websocket request, and the CSRF check.
+"""Token checks at startup, the CSRF check, and keeping secrets out of every log line.
 
-The token never travels further than it must: the login redirect sets a cookie holding an
-HMAC of the token (cookie-safe whatever characters the token has, and not the token itself),
-the access log has `token=` redacted, and the startup line does not print it.
+The tokens never travel further than they must: the login sets a cookie that is not a token
+(see auth.py), the startup line does not print them, and every log record, at every level
+and from every library, has the tokens, `Authorization` values, `token=` parameters and
+login cookies redacted before any handler writes it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 import logging
 import re
-from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode
+from collections.abc import Iterable
 
 from fastapi import HTTPException, Request
 
+from .auth import ACCESS, auth_level
 from .errors import StartupConfigError
 
-COOKIE = "nanotron_dashboard_token"
 CSRF_HEADER = "x-csrf-token"
-
-Scope = dict[str, Any]
 
 
 def check_token(token: str, source: str) -> str:
@@ -36,86 +32,13 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
-def cookie_value(token: str) -> str:
-    return hmac.new(token.encode(), b"nanotron-dashboard-cookie", hashlib.sha256).hexdigest()
-
-
-def _eq(a: bytes | None, b: bytes) -> bool:
-    return a is not None and hmac.compare_digest(a, b)
-
-
-def _cookie(raw: bytes) -> bytes | None:
-    for part in raw.split(b";"):
-        name, _, value = part.strip().partition(b"=")
-        if name == COOKIE.encode():
-            return value.strip().strip(b'"')
-    return None
-
-
-def on_site(path: str) -> str:
-    """A redirect target that stays on this site: `//evil.example/x` or `/\\evil` would leave it."""
-    return "/" + quote(path.lstrip("/\\"), safe="/-._~!$&'()*+,;=:@%")
-
-
-class TokenMiddleware:
-    """With a token: `Authorization: Bearer T`, the cookie, or `?token=T` (which sets the cookie
-    and redirects to the same URL without it, so the token does not stay in the address bar)."""
-
-    def __init__(self, app: Any, token: str) -> None:
-        self.app = app
-        self.token = token.encode()
-        self.cookie = cookie_value(token).encode()
-
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            return await self.app(scope, receive, send)
-        headers = {k.lower(): v for k, v in scope["headers"]}
-        auth = headers.get(b"authorization", b"")
-        bearer = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
-        if _eq(bearer, self.token) or _eq(_cookie(headers.get(b"cookie", b"")), self.cookie):
-            return await self.app(scope, receive, send)
-        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-        from_query = next((v for k, v in query if k == "token"), None)
-        if from_query is not None and _eq(from_query.encode(), self.token):
-            if scope["type"] == "http" and scope["method"] == "GET":
-                rest = urlencode([(k, v) for k, v in query if k != "token"])
-                location = on_site(scope["path"]) + (f"?{rest}" if rest else "")
-                cookie = f"{COOKIE}={self.cookie.decode()}; HttpOnly; SameSite=Strict; Path=/"
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 303,
-                        "headers": [
-                            (b"location", location.encode("latin-1")),
-                            (b"set-cookie", cookie.encode()),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": b""})
-                return
-            return await self.app(scope, receive, send)
-        if scope["type"] == "websocket":
-            await send(
-                {"type": "websocket.close", "code": 1008, "reason": "missing or wrong token"}
-            )
-            return
-        body = json.dumps(
-            {
-                "detail": "missing or wrong token: send Authorization: Bearer <token> or open "
-                "the page with ?token=<token>"
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+def csrf_allowed(request: Request) -> bool:
+    """Whether this request may have the CSRF token: it proved a credential, or the server
+    has none at all (open mode: loopback, no token, no launching)."""
+    s = request.app.state.settings
+    if s.token is None and s.launch_token is None:
+        return True
+    return auth_level(request.scope) >= ACCESS
 
 
 def require_csrf(request: Request) -> None:
@@ -123,27 +46,82 @@ def require_csrf(request: Request) -> None:
 
     A custom header cannot be sent cross-origin without a CORS preflight, which this server
     never answers; the token also defeats a same-site page. Compared as bytes, so a
-    non-ASCII header is a 403 like any wrong one.
+    non-ASCII header is a 403 like any wrong one. Only a request that could have been given
+    the token passes: an anonymous one on a server with credentials is refused before.
     """
+    if not csrf_allowed(request):
+        raise HTTPException(401, "sign in first: open the dashboard with ?token=<token>")
     raw = request.headers.getlist(CSRF_HEADER)
     given = raw[0].encode("latin-1", "replace") if raw else b""
-    if not _eq(given, request.app.state.csrf.encode()):
+    if not hmac.compare_digest(given, request.app.state.csrf.encode()):
         raise HTTPException(403, "cross-site request refused (missing or wrong X-CSRF-Token)")
 
 
-_TOKEN_IN_TEXT = re.compile(r"(token=)[^&\s\"']*", re.IGNORECASE)
+_PATTERNS = (
+    re.compile(r"(token=)[^&\s\"']*", re.IGNORECASE),
+    re.compile(r"(bearer\s+)[^\s\"',\]]+", re.IGNORECASE),
+    re.compile(r"(nanotron_dashboard_\d+=)[^;\s\"',\]]*", re.IGNORECASE),
+)
 
 
-def redact(text: str) -> str:
-    return _TOKEN_IN_TEXT.sub(r"\1<redacted>", text)
+class Redactor:
+    """Replaces the known secrets and anything shaped like a credential with <redacted>."""
+
+    def __init__(self, secrets_: Iterable[str | None] = ()) -> None:
+        self.secrets = sorted({s for s in secrets_ if s}, key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for s in self.secrets:
+            text = text.replace(s, "<redacted>")
+        for p in _PATTERNS:
+            text = p.sub(r"\1<redacted>", text)
+        return text
+
+
+redact = Redactor()
 
 
 class RedactTokens(logging.Filter):
-    """On uvicorn's loggers: `?token=...` in a request line becomes `?token=<redacted>`."""
+    """On every handler: secrets redacted from the message, each argument (a token inside
+    bytes, a header list or a dict is caught through its text) and the traceback text.
+
+    Arguments are redacted one by one, not folded into the message: uvicorn's access
+    formatter unpacks them."""
+
+    def __init__(self, redactor: Redactor = redact) -> None:
+        super().__init__()
+        self.redactor = redactor
+
+    def _arg(self, a: object) -> object:
+        if isinstance(a, str):
+            return self.redactor(a)
+        if isinstance(a, (int, float)) or a is None:
+            return a
+        text = str(a)
+        clean = self.redactor(text)
+        return a if clean == text else clean
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
         if isinstance(record.msg, str):
-            record.msg = redact(record.msg)
+            record.msg = self.redactor(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._arg(a) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: self._arg(v) for k, v in record.args.items()}
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redactor(record.exc_text)
         return True
+
+
+def install_redaction(redactor: Redactor) -> None:
+    """Put the filter on every handler that exists now (root's, uvicorn's, any library's)."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for lg in loggers:
+        for h in getattr(lg, "handlers", []):
+            if not any(isinstance(f, RedactTokens) for f in h.filters):
+                h.addFilter(RedactTokens(redactor))
+
+
+__all__ = ["check_token", "csrf_allowed", "install_redaction", "require_csrf"]
