@@ -72,6 +72,12 @@ class Checkpointing:
                 f"tp={topo['tp']} pp={topo['pp']} zero_stage={topo['zero_stage']})",
                 flush=True,
             )
+            if int(meta["step"]) >= (last := t.cfg.tokens.train_steps):  # nothing left to do
+                print(
+                    f"tokens.train_steps={last} is reached: nothing to train. To train on, "
+                    f"resume with --override tokens.train_steps=N (N > {meta['step']})",
+                    flush=True,
+                )
         self.last_saved = int(meta["step"])
         return self.last_saved
 
