@@ -4,8 +4,11 @@
     python -m nanotron_train.quickstart stop
 
 `run` prepares the default corpus once (the stdlib's source, cached under .cache/data), starts
-the dashboard in the background unless one already answers on the port (pid file and log under
-.cache/), then trains configs/quickstart-cpu.yaml with torchrun, streaming to the dashboard.
+the dashboard in the background unless the one it started before still answers on the port
+(pid file and log under .cache/), then trains configs/quickstart-cpu.yaml with torchrun,
+streaming to the dashboard, and prints the next steps (generate, evaluate, resume) with this
+run's paths. A dashboard on the port that this folder's `make run` did not start (another
+clone's, another user's) is refused, not streamed into: `make run PORT=...` picks another.
 The dashboard keeps running afterwards so the run can be browsed; `stop` ends it.
 The dashboard is started as a program, never imported: nanotron_train does not depend on it.
 """
@@ -25,6 +28,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanotron_train.port_owner import holds_port
 
 CACHE = Path(".cache")
 CONFIG = Path("configs/quickstart-cpu.yaml")
@@ -76,9 +81,15 @@ def _dashboard_program() -> list[str]:
 
 
 def start_dashboard(port: int, files: DashboardFiles, timeout: float = 60.0) -> tuple[str, bool]:
-    """Start the dashboard in the background unless it already answers; returns (url, started)."""
+    """Start the dashboard in the background unless ours already answers; returns (url, started)."""
     url = dashboard_url(port)
     if dashboard_answers(url):
+        if not _ours_on(port, files):
+            raise QuickstartError(
+                f"{url} is a nanotron dashboard that `make run` in {Path.cwd()} did not start "
+                "(another clone's or another user's?): this run would land in its database. "
+                f"Use another port, e.g. `make run PORT={_suggested_port(port)}`, or stop it"
+            )
         return url, False
     files.db.parent.mkdir(parents=True, exist_ok=True)
     cmd = [*_dashboard_program(), "--db", str(files.db), "--host", "127.0.0.1", "--port", str(port)]
@@ -102,6 +113,22 @@ def start_dashboard(port: int, files: DashboardFiles, timeout: float = 60.0) -> 
         time.sleep(0.2)
     stop_dashboard(files)
     raise QuickstartError(f"the dashboard did not answer at {url} within {timeout:.0f} s")
+
+
+def _ours_on(port: int, files: DashboardFiles) -> bool:
+    """Whether what listens on `port` is the dashboard whose pid `run` recorded."""
+    try:
+        pid = int(files.pid.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    if not _is_dashboard(pid):
+        return False
+    held = holds_port(pid, port)
+    return held is None or held  # no /proc to ask: our live dashboard is taken at its word
+
+
+def _suggested_port(port: int) -> int:
+    return port + 2 if port < 65533 else 8010
 
 
 def _is_dashboard(pid: int) -> bool:
@@ -180,11 +207,46 @@ def train_command(
     return cmd
 
 
+def next_steps(nanoset: Path, tokenizer: Path, url: str, nproc: int, steps: int) -> str:
+    """What to do with the trained model, as commands with this run's absolute paths."""
+    import yaml
+
+    ckpts = Path(yaml.safe_load(CONFIG.read_text())["checkpoints"]["checkpoints_path"]).resolve()
+    venv = Path(sys.prefix)
+    venv = venv.relative_to(Path.cwd()) if venv.is_relative_to(Path.cwd()) else venv
+    overrides = " ".join(
+        f"--override {a}"
+        for a in (
+            f"data_stages.0.data.dataset.dataset_folder={nanoset}",
+            f"tokenizer.tokenizer_name_or_path={tokenizer}",
+            f"logging.dashboard_url={url}",
+            f"tokens.train_steps={2 * steps}",
+        )
+    )
+    return "\n".join(
+        [
+            "== next steps (from this folder):",
+            f"   source {venv}/bin/activate   # the virtual environment of `make run`",
+            "   # continue the prompt with the trained model:",
+            f"   python -m nanotron_train.generate --ckpt-path {ckpts} --prompt 'def read_config(' "
+            "--max-new-tokens 64",
+            "   # its loss and perplexity on tokenized text (here, the training corpus):",
+            f"   python -m nanotron_train.evaluate --ckpt-path {ckpts} --dataset-folder {nanoset} "
+            "--limit-batches 8",
+            f"   # train on from the last checkpoint, to step {2 * steps}:",
+            f"   python -m nanotron_train.launch --standalone --nproc_per_node={nproc} "
+            f"--config-file {CONFIG} {overrides} --resume latest",
+            f"   # the runs, their charts and checkpoints: {url}   (`make stop` stops it)",
+        ]
+    )
+
+
 def run(port: int, nproc: int, steps: int | None) -> int:
     from nanotron_train.data.corpus import prepare_default_corpus
 
     print("== preparing the default corpus (the Python stdlib's source; cached in .cache/data)")
     tokenizer, nanoset = prepare_default_corpus(str(CACHE / "data"))
+    tokenizer, nanoset = tokenizer.resolve(), nanoset.resolve()  # the checkpoint works anywhere
     print(f"   tokenizer: {tokenizer}\n   nanoset:   {nanoset}")
     url, started = start_dashboard(port, DashboardFiles())
     how = "started in the background" if started else "already running"
@@ -200,6 +262,11 @@ def run(port: int, nproc: int, steps: int | None) -> int:
     minutes = (time.perf_counter() - t0) / 60
     state = "finished" if code == 0 else f"stopped (exit status {code})"
     print(f"== training {state} after {minutes:.1f} min; the run is on {url}", flush=True)
+    if code == 0:
+        import yaml
+
+        total = steps or yaml.safe_load(CONFIG.read_text())["tokens"]["train_steps"]
+        print(next_steps(nanoset, tokenizer, url, nproc, total), flush=True)
     return code
 
 
