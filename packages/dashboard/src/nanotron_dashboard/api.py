@@ -10,6 +10,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from . import csv_export, queries
 from .auth import OWNER, auth_level, level_name
@@ -17,6 +18,7 @@ from .checkpoints import scan_checkpoints
 from .db import delete_run
 from .errors import DashboardError
 from .launch import AlreadyRunning, NotGranted, plan
+from .memory import account
 from .security import csrf_allowed, require_csrf
 from .store import is_disk_full, upsert_checkpoint
 
@@ -74,6 +76,12 @@ def session(request: Request) -> dict[str, Any]:
         "csrf": request.app.state.csrf if csrf_allowed(request) else None,
         "stall_seconds": s.stall_seconds,
     }
+
+
+@router.get("/api/memory", tags=["server"])
+def memory(request: Request) -> dict[str, Any]:
+    """Bytes held by each bounded part of the server, their caps, and the process's RSS."""
+    return account(request.app.state)
 
 
 @router.get("/api/runs", tags=["runs"])
@@ -269,6 +277,11 @@ def error_handlers(app: Any) -> None:
     @app.exception_handler(AlreadyRunning)
     async def _busy(_r: Request, e: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(e)}, 409)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_r: Request, _e: Exception) -> Response:
+        # the client closed mid-upload: nobody reads an answer, and it is no server error
+        return Response(status_code=400)
 
     @app.exception_handler(NotGranted)
     async def _barred(_r: Request, e: Exception) -> JSONResponse:

@@ -19,6 +19,7 @@ from .errors import MissingAssetError, StartupConfigError
 from .guard import BrowserGuard, HostPolicy
 from .hub import Hub
 from .launch import Launcher
+from .memory import fits
 from .queries import load_series
 from .security import Redactor
 from .series import SeriesCache
@@ -39,7 +40,7 @@ class Settings:
     allow_launch: bool = False
     stall_seconds: float = 120.0
     allowed_hosts: tuple[str, ...] = ()  # served besides the bound host and loopback names
-    cache_bytes: int = 256 << 20  # series cache budget
+    cache_bytes: int = 192 << 20  # series cache budget (memory.py: the whole server's)
     # writer queue budget (parsed messages, ~12x their JSON); then 503 / slower acks
     queue_bytes: int = 64 << 20
     stall_after: float = 300.0  # a running run silent this long gets one `stall` event
@@ -85,6 +86,11 @@ def check_launch(settings: Settings) -> None:
 def create_app(settings: Settings) -> FastAPI:
     check_assets()
     check_launch(settings)
+    if not fits(settings.cache_bytes, settings.queue_bytes):
+        raise StartupConfigError(
+            f"the series cache and writer queue ({settings.cache_bytes >> 20} + "
+            f"{settings.queue_bytes >> 20} MiB) do not fit the memory budget"
+        )
     if not settings.stall_after > 0:
         raise StartupConfigError(f"--stall-after {settings.stall_after}: must be > 0 seconds")
     webhooks = WebhookSender(

@@ -13,6 +13,7 @@ directly.
 from __future__ import annotations
 
 import sqlite3
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,15 +119,30 @@ def seal_all(raw: sqlite3.Connection) -> int:
     return built
 
 
+MAX_BOUNDS = 16_384  # series whose sealed bound is remembered (LRU); others cost a lookup
+BOUND_BYTES = 400  # a (pk, name) key with a name of up to 200 characters, an int, the slot
+
+
 @dataclass
 class Sealer:
-    """The writer's side: after each batch of metric rows, seal and rebuild what it needs."""
+    """The writer's side: after each batch of metric rows, seal and rebuild what it needs.
 
-    _upto: dict[Key, int] = field(default_factory=dict)
+    It remembers each series' sealed bound to save a lookup per batch, for the MAX_BOUNDS
+    series written last only: a server's life sees millions of series."""
+
+    _upto: OrderedDict[Key, int] = field(default_factory=OrderedDict)
+    max_keys: int = MAX_BOUNDS
 
     def reset(self) -> None:
-        """After a rollback the cached bounds may be ahead of the database: reload them."""
+        """After a rollback, or a job (it may delete runs): forget every bound."""
         self._upto.clear()
+
+    def __len__(self) -> int:
+        return len(self._upto)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._upto) * BOUND_BYTES
 
     def after_insert(self, raw: sqlite3.Connection, rows: list[tuple]) -> None:
         """rows: (run_pk, name, step, value, time) just upserted, inside the same transaction."""
@@ -158,3 +174,6 @@ class Sealer:
                 seal(raw, key[0], key[1], upto, target)
                 upto = target
             self._upto[key] = upto
+            self._upto.move_to_end(key)
+        while len(self._upto) > self.max_keys:
+            self._upto.popitem(last=False)

@@ -13,8 +13,12 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from .trainer_files import MAX_METADATA_BYTES, ParsedCache, Refused
+
 METADATA_FILE = "checkpoint_metadata.json"
 INT64_MAX = 2**63 - 1
+MAX_FOLDERS = 10_000  # step folders looked at per scan
+METADATA = ParsedCache()  # parsed metadata by file identity, shared by every run page
 
 
 @dataclass
@@ -35,38 +39,51 @@ def resolve_dir(path: str, cwd: str | None) -> Path:
     return p
 
 
+def _parse_metadata(data: bytes) -> dict[str, Any]:
+    """What a listing needs from checkpoint_metadata.json, not the whole document."""
+    meta = json.loads(data)
+    if not isinstance(meta, dict):
+        raise ValueError("not an object")
+    files = meta.get("files")
+    return {
+        "step": meta.get("step"),
+        "consumed_tokens": _int64(meta.get("consumed_tokens")),
+        "topology": meta.get("topology") if isinstance(meta.get("topology"), dict) else {},
+        "created": meta.get("created"),
+        "files": files if isinstance(files, list) else None,
+    }
+
+
 def scan_checkpoints(checkpoints_path: str, cwd: str | None) -> list[DiskCheckpoint]:
     """Every `<checkpoints_path>/<step>/checkpoint_metadata.json`; unreadable ones are skipped.
 
     A checkpoint is complete when its metadata (written last) lists files that all exist with
     the recorded sizes. Hashes are not checked here: that would read gigabytes per page view.
+    The metadata is read capped and cached (trainer_files.py); at most MAX_FOLDERS folders.
     """
     found: list[DiskCheckpoint] = []
     try:
         root = resolve_dir(checkpoints_path, cwd)
-        subs = list(root.iterdir()) if root.is_dir() else []
+        with os.scandir(root) as it:
+            subs = [Path(e.path) for _, e in zip(range(MAX_FOLDERS), it) if e.name.isdigit()]
     except (OSError, ValueError, RuntimeError):
         return found
     for sub in subs:
-        meta_file = sub / METADATA_FILE
-        if not sub.name.isdigit() or not meta_file.is_file():
-            continue
         try:
-            meta = json.loads(meta_file.read_text())
-            step = int(meta.get("step", sub.name))
-        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+            meta = METADATA.get(sub / METADATA_FILE, root, _parse_metadata, MAX_METADATA_BYTES)
+            step = int(meta["step"] if meta["step"] is not None else sub.name)
+        except (OSError, Refused, ValueError, TypeError, RecursionError):
             continue
         if not 0 <= step <= INT64_MAX:
             continue
-        size, complete = _files_size(sub, meta.get("files"))
-        created = meta.get("created")
-        topology = meta.get("topology")
+        size, complete = _files_size(sub, meta["files"])
+        created = meta["created"]
         found.append(
             DiskCheckpoint(
                 step=step,
                 path=str(sub),
-                consumed_tokens=_int64(meta.get("consumed_tokens")),
-                topology=topology if isinstance(topology, dict) else {},
+                consumed_tokens=meta["consumed_tokens"],
+                topology=meta["topology"],
                 size=size,
                 complete=complete,
                 created=created

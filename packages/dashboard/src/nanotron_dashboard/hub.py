@@ -32,6 +32,10 @@ class Hub:
         if run_id is not None and not subs:
             self._runs.pop(run_id, None)
 
+    def feeds(self) -> int:
+        """Runs with a live subscriber (an entry leaves with its last subscriber)."""
+        return len(self._runs)
+
     def watching(self, run_id: str) -> bool:
         return run_id in self._runs
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import time
 from typing import Any
@@ -65,9 +66,13 @@ def _summary(
 
 
 def _cursor(value: str) -> tuple[float, int]:
+    """`<started>_<pk>`: a finite float and a pk that SQLite can hold (an int64), else 400."""
     try:
         started, pk = value.split("_", 1)
-        return float(started), int(pk)
+        c_started, c_pk = float(started), int(pk)
+        if not math.isfinite(c_started) or not 0 <= c_pk <= 2**63 - 1:
+            raise ValueError
+        return c_started, c_pk
     except ValueError:
         raise DashboardError(f"cursor {value[:50]!r} is not one this server gave out") from None
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 Key = tuple[int, str]  # (run_pk, metric name)
-ENTRY_OVERHEAD = 512  # bytes an entry costs besides its arrays (key, objects, dict slot)
+# bytes an entry costs besides its arrays: key and name (up to 200 characters), the Series and
+# array objects, the dict slot, malloc slack (tracemalloc: ~650 with a 20-character name)
+ENTRY_OVERHEAD = 1024
 
 
 @dataclass

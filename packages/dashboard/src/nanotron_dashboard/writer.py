@@ -16,7 +16,6 @@ import math
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -31,6 +30,7 @@ from .series import SeriesCache
 from .store import DISK_FULL_LOG_EVERY_S, is_disk_full, refusal
 from .telemetry_messages import TELEMETRY, Event, PipelineTimeline, RankStats, Samples
 from .telemetry_store import EventDict, Side, StallCheck
+from .writer_index import RunIndex
 
 log = logging.getLogger("nanotron_dashboard")
 
@@ -66,8 +66,7 @@ class Writer:
         self._bytes_lock = threading.Lock()
         self.disk_full = False  # the last write failed for want of space
         self._disk_full_logged = 0.0
-        self._pks: dict[str, int] = {}
-        self._names: OrderedDict[int, set[str]] = OrderedDict()  # metric names of recent runs
+        self._index = RunIndex()  # run ids' pks, metric names of the runs written to now
         self._sealer = Sealer()  # keeps series_blocks in step with metrics
         self._thread = threading.Thread(target=self._run, name="dashboard-writer", daemon=True)
 
@@ -102,6 +101,16 @@ class Writer:
     def queued_bytes(self) -> int:
         return self._bytes
 
+    def held(self) -> dict[str, int]:
+        """What the writer keeps between batches (bounded), for the memory account."""
+        runs, names = self._index.sizes()
+        return {
+            "runs": runs,
+            "names": names,
+            "series_bounds": len(self._sealer),
+            "bytes": self._index.nbytes + self._sealer.nbytes,
+        }
+
     # --- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
         with self._engine.connect() as conn:
@@ -135,8 +144,7 @@ class Writer:
     def _forget(self, conn: Connection) -> None:
         """After a rollback the cached keys and bounds may be ahead of the database."""
         conn.rollback()
-        self._pks.clear()
-        self._names.clear()
+        self._index.clear()
         self._sealer.reset()
 
     def _write_batch(self, conn: Connection, batch: list[Item]) -> None:
@@ -196,7 +204,7 @@ class Writer:
                 self._on_events(side.events)
             except Exception:
                 log.exception("dashboard writer: handing events to the webhook sender failed")
-        run_of = {pk: rid for rid, pk in self._pks.items()}
+        run_of = self._index.run_ids()
         watched = self._cache.run_pks() | {pk for pk, rid in run_of.items() if self._watching(rid)}
         by_key: dict[tuple[int, str], tuple[list, list, list]] = {}
         points: dict[str, list[tuple[str, int, float, float]]] = {}
@@ -279,8 +287,8 @@ class Writer:
                     results.append({"ok": True})
                 elif callable(msg):
                     results.append(msg(conn))
-                    self._pks.clear()  # a job may have created or deleted runs
-                    self._names.clear()
+                    self._index.clear()  # a job may have created or deleted runs
+                    self._sealer.reset()
                 else:
                     raise TypeError(f"unknown writer item {type(msg).__name__}")
             if rows:
@@ -301,7 +309,7 @@ class Writer:
                         "UPDATE runs SET heartbeat=:now, updated=:now, "
                         "step=MAX(COALESCE(step, -1), :st) WHERE pk=:pk"
                     ),
-                    {"now": now, "st": max_step.get(run_id, -1), "pk": self._pks[run_id]},
+                    {"now": now, "st": max_step.get(run_id, -1), "pk": self._pk(conn, run_id, now)},
                 )
         changed |= set(max_step)
         return results, rows, changed, side
@@ -321,7 +329,7 @@ class Writer:
         side.notices.setdefault(msg.run_id, []).append(notice)
 
     def _pk(self, conn: Connection, run_id: str, now: float) -> int:
-        pk = self._pks.get(run_id)
+        pk = self._index.pk(run_id)
         if pk is None:
             row = conn.execute(text("SELECT pk FROM runs WHERE id=:id"), {"id": run_id}).first()
             if row is None:  # metrics before run_start (HTTP ingest, lost start): a bare run
@@ -333,20 +341,18 @@ class Writer:
                     ),
                     {"id": run_id, "now": now},
                 ).first()
-            pk = self._pks[run_id] = int(row[0])
+            pk = int(row[0])
+            self._index.set_pk(run_id, pk)
         return pk
 
     def _check_names(self, conn: Connection, pk: int, msg: Metrics) -> dict[str, Any] | None:
         """At most MAX_METRIC_NAMES names per run: a message bringing more is refused whole."""
-        names = self._names.get(pk)
+        names = self._index.names(pk)
         if names is None:
             names = {
                 r[0] for r in conn.exec_driver_sql("SELECT name FROM latest WHERE run_pk=?", (pk,))
             }
-            self._names[pk] = names
-            while len(self._names) > 256:  # the runs being written to now
-                self._names.popitem(last=False)
-        self._names.move_to_end(pk)
+            self._index.set_names(pk, names)
         new = [n for n in msg.values if n not in names]
         if len(names) + len(new) > MAX_METRIC_NAMES:
             return refusal(
@@ -354,7 +360,7 @@ class Writer:
                 f"run {msg.run_id!r} would have {len(names) + len(new)} metric names, over "
                 f"the limit of {MAX_METRIC_NAMES} (new here: {', '.join(new[:5])[:300]})",
             )
-        names.update(new)
+        self._index.add_names(pk, new)
         return None
 
     def _run_start(self, conn: Connection, m: RunStart, now: float, side: Side) -> dict[str, Any]:
