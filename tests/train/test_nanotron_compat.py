@@ -551,7 +551,8 @@ def test_launcher_user_errors_are_one_line_and_status_2(tmp_path, capsys):
 
     data = tiny_config()
     data["parallelism"] = {"dp": 2}
-    data["data_stages"][0]["data"]["dataset"] = {"dataset_folder": str(tmp_path / "missing")}
+    (tmp_path / "empty").mkdir()  # a folder, but no Nanoset: found by the workers' data path
+    data["data_stages"][0]["data"]["dataset"] = {"dataset_folder": str(tmp_path / "empty")}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data))
     assert launch(["--standalone", "--nproc_per_node=4", "--config-file", str(path)]) == 2
@@ -564,7 +565,10 @@ def test_launcher_user_errors_are_one_line_and_status_2(tmp_path, capsys):
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 2
-    assert proc.stderr == f"error: {tmp_path / 'missing'}: Nanoset folder does not exist\n"
+    assert proc.stderr == (
+        f"error: {tmp_path / 'empty' / 'metadata.json'}: missing Nanoset metadata "
+        "(is this a Nanoset folder?)\n"
+    )
 
 
 @pytest.mark.parametrize(
