@@ -43,6 +43,7 @@ class GeneralArgs:
     consumed_train_samples: int | None = None  # likewise
     benchmark_csv_path: str | None = None  # one throughput row appended at the end of training
     ignore_sanity_checks: bool = True  # false: check every step that dp replicas agree
+    ignore_memory_check: bool = False  # true: start even when memory_estimate.py says no fit
 
 
 @dataclass

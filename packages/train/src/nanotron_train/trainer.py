@@ -46,6 +46,7 @@ from nanotron_train.fault.session import FaultTolerance
 from nanotron_train.initial_weights import load_initial_weights
 from nanotron_train.log_levels import configure_logging, prints_step_lines
 from nanotron_train.lr_schedule import LRSchedule, build_lr_schedule
+from nanotron_train.memory_estimate import check_memory
 from nanotron_train.metrics import (
     MetricsLogger,
     StepMeasure,
@@ -101,6 +102,7 @@ class Trainer:
     def __init__(self, cfg: Config, pc: ParallelContext, stream: TextIO = sys.stdout) -> None:
         self.cfg, self.pc = cfg, pc
         level = configure_logging(cfg.logging, pc.rank)  # log_level / log_level_replica
+        check_memory(cfg, pc)  # memory_estimate.py: refuse what cannot fit, before allocating
         torch.manual_seed(cfg.general.seed)
         random.seed(cfg.general.seed)
         # model_factory builds this rank's blocks; parallelize.py applies, in a documented
