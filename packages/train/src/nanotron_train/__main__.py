@@ -16,6 +16,7 @@ import time
 from nanotron_train.config import load_config
 from nanotron_train.fault.errors import TrainingStopped
 from nanotron_train.fault.launcher import watch_launcher
+from nanotron_train.process_exit import exit_process
 from nanotron_train.training_inputs import prepare_for_training
 
 
@@ -94,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # the status is the outcome: no teardown after it (process_exit.py)

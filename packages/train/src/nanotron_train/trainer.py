@@ -20,13 +20,11 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from nanotron_models.blocks import Loss
 from nanotron_models.config import DTYPES
@@ -45,7 +43,7 @@ from nanotron_train.fault.nonfinite import stop as nonfinite_stop
 from nanotron_train.fault.session import FaultTolerance
 from nanotron_train.initial_weights import load_initial_weights
 from nanotron_train.log_levels import configure_logging, prints_step_lines
-from nanotron_train.lr_schedule import LRSchedule, build_lr_schedule
+from nanotron_train.lr_schedule import build_lr_schedule
 from nanotron_train.memory_estimate import check_memory
 from nanotron_train.metrics import (
     MetricsLogger,
@@ -62,38 +60,9 @@ from nanotron_train.profiling import StepProfiler
 from nanotron_train.sanity import SanityCheckError, check_dp_replicas
 from nanotron_train.telemetry.samples import SampleMaker
 from nanotron_train.telemetry.session import Telemetry
+from nanotron_train.train_state import StepOutput, TrainState
 
 BACKEND_TIMEOUT_MARGIN_S = 30.0
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint saves and restores: together they continue a run exactly."""
-
-    model: nn.Module
-    optimizer: AdamWOnPieces  # includes the ZeRO-1 shard of this rank
-    lr_schedule: LRSchedule
-    data: Any  # SyntheticData or TrainData: micro_batches(step), state_dict(), load_state_dict()
-    step: int = 0  # optimizer steps done
-    consumed_samples: int = 0
-    consumed_tokens: int = 0
-    data_step_offset: int = 0  # steps whose data a rollback skipped (data step = step + this)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StepOutput:
-    """One step's results, still on the device (reading them is a host sync)."""
-
-    step: int
-    loss: torch.Tensor | None  # the mean loss on the last pipeline stage, None elsewhere
-    grad_norm: torch.Tensor
-    lr: float
-    sequence_length: int
-    z_loss: torch.Tensor | None = None  # this rank's mean z-loss (last stage), when enabled
-    action: str = "ok"  # the non-finite policy's decision (fault/nonfinite.py)
-    # The global loss and norm, when the step already read them (skip / rollback policies).
-    host_values: tuple[float, float] | None = None
 
 
 class Trainer:
@@ -158,6 +127,8 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(pc.device, dtype)
         self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
         self.logger: MetricsLogger | None = None
+        # `train()` sets it: run_end goes out after the process groups are torn down.
+        self.report_end_later = False
         if pc.rank == 0:  # stdout, metrics file, TensorBoard, wandb, dashboard
             shown = stream if prints_step_lines(level) else None
             self.logger = build_metrics_logger(
@@ -348,6 +319,8 @@ class Trainer:
             raise
         finally:
             self.close()
+            if not self.report_end_later:
+                self.report_end()
         if csv_path and self.pc.rank == 0 and bench_records:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.pc.world_size))
             append_row(csv_path, benchmark_row(self.cfg, bench_records, self.pc.world_size, local))
@@ -367,14 +340,19 @@ class Trainer:
         return checkpoint_run_id(ck.checkpoints_path)
 
     def close(self) -> None:
+        """Stop this trainer's threads and hooks; the logger stays open for `report_end`."""
         self.fault.close()
         self.profiler.close()
         if hasattr(self.state.data, "close"):  # the prefetch thread (num_loading_workers)
             self.state.data.close()
+        self.grads.remove_hooks()
+
+    def report_end(self) -> None:
+        """Close the sinks; the dashboard gets run_end (finished, preempted or failed). Called
+        after the teardown, so that a run shown finished has nothing left that can fail."""
         if self.logger is not None:
             self.logger.close()
             self.logger = None
-        self.grads.remove_hooks()
 
 
 def train(
@@ -398,8 +376,24 @@ def train(
         pc = ParallelContext(
             dp=par.dp, tp=par.tp, pp=par.pp, timeout=backstop, cp=par.context_parallel_size
         )
+    trainer = None
     try:
-        return Trainer(cfg, pc, stream).train(on_record, every_step)
-    finally:
+        trainer = Trainer(cfg, pc, stream)
+        trainer.report_end_later = True
+        last = trainer.train(on_record, every_step)
         if own:
+            if pc.world_size > 1:
+                dist.barrier()  # every rank is done before rank 0 reports the run finished
             pc.destroy()
+        return last
+    except BaseException as exc:
+        if trainer is not None and trainer.logger is not None:
+            trainer.logger.fail(exc)  # also a failure after the last step: the teardown
+        raise
+    finally:
+        try:
+            if own:
+                pc.destroy()  # (again: a no-op once done)
+        finally:
+            if trainer is not None:
+                trainer.report_end()  # run_end only now (process_exit.py: nothing after)
