@@ -33,20 +33,32 @@ def write_config(tmp: Path, name: str, steps: int, interval: int = 5, **sections
 
 
 class Torchrun:
-    """`torchrun --standalone --nproc_per_node=2 -m nanotron_train ...`, output to a file."""
+    """`torchrun --standalone --nproc_per_node=2 -m nanotron_train ...`, output to a file.
+    `launcher=True`: `python -m nanotron_train.launch` with the same arguments, in a session of
+    its own (its process group is what a batch scheduler signals)."""
 
-    def __init__(self, cfg: Path, *args: str, restarts: int = 0, env: dict | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Path,
+        *args: str,
+        restarts: int = 0,
+        env: dict | None = None,
+        launcher: bool = False,
+    ) -> None:
         self.log = cfg.with_suffix(f".{time.monotonic_ns()}.log")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
+        head = ["nanotron_train.launch"] if launcher else ["torch.distributed.run"]
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            sys.executable, "-m", *head, "--standalone", "--nproc_per_node=2",
             f"--max-restarts={restarts}", "--monitor-interval=0.2",
-            "-m", "nanotron_train", "--config-file", str(cfg), *args,
+            *([] if launcher else ["-m", "nanotron_train"]), "--config-file", str(cfg), *args,
         ]  # fmt: skip
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=launcher
+            )
 
     def output(self) -> str:
         return self.log.read_text()

@@ -7,6 +7,7 @@ log bitwise the reference's losses at every step, whichever attempt logged it.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -48,22 +49,27 @@ def test_sigkill_restart_and_sigterm_preemption_continue_bitwise(tmp_path, refer
 
 
 def _restart_and_preempt(cfg, metrics, ck, reference, env, dash):
-    run = Torchrun(cfg, "--resume", "auto", restarts=3, env=env)
+    run = Torchrun(cfg, "--resume", "auto", restarts=3, env=env, launcher=True)
     try:
         first = run.wait_workers()
         kill_at = random.Random().randint(5, 10)  # after the checkpoint of step 4
         wait_step(metrics, kill_at, run)
         kill(first[1], signal.SIGKILL)  # a dead worker: torchrun restarts the group
-        second = run.wait_workers(exclude=set(first.values()))
+        run.wait_workers(exclude=set(first.values()))
         seen = wait_step(metrics, 0, run)
         # The restarted attempt resumed from the last checkpoint and trains on; now preempt
-        # it through rank 0 only: rank 1 must agree to stop after the same step.
+        # it as a batch scheduler does: SIGTERM to the launcher's process group (torchrun's
+        # workers sit in sessions of their own: the launcher passes the signal on). The
+        # workers save and exit 0, and so does the launch, without a traceback.
         wait_step(metrics, 14, run, after=seen)
-        kill(second[0], signal.SIGTERM)
+        os.killpg(run.proc.pid, signal.SIGTERM)
         assert run.wait() == 0, run.output()[-4000:]
     finally:
         run.kill_all()
     out = run.output()
+    assert "launcher: SIGTERM received: passed to the 2 workers" in out, out[-4000:]
+    after_signal = out[out.index("launcher: SIGTERM received") :]  # (the SIGKILL left one)
+    assert "Traceback" not in after_signal and "SignalException" not in out, out[-4000:]
     assert "SIGTERM received" in out and "resumed from" in out, out[-4000:]
     assert "--resume auto: no checkpoint" in out  # the first attempt started fresh
     logged = losses_by_step(metrics)

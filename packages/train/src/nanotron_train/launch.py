@@ -7,6 +7,8 @@ agent then adds a `ChildFailedError` report and exits with 1. This launcher chec
 own `run`. A worker that stops on a user error writes its line to torchrun's error file
 (TORCHELASTIC_ERROR_FILE) instead of printing it; when the first worker to fail did so, the
 launcher prints that line and exits with 2, nothing more. A crash keeps torchrun's report.
+SIGTERM or SIGUSR1 (a batch scheduler's preemption) is passed to the workers, which save and
+exit 0; so does the launch (fault/forward_signals.py). Plain torchrun exits 1 there.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import sys
 
 from nanotron_train.__main__ import QUIET_ENV, add_trainer_args, overrides_of
+from nanotron_train.fault.forward_signals import SignalForwarder
 
 
 def _world_size(args: argparse.Namespace) -> int | None:
@@ -31,6 +34,7 @@ def _world_size(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -58,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):  # its report duplicates ours
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    SignalForwarder(args)  # SIGTERM/SIGUSR1: the workers save and exit 0, and so do we
     try:
         run(args)
+    except SignalException as exc:  # a signal before any worker started
+        print(f"error: stopped by {exc}", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()
         if first.exitcode == 2:  # a user error: its one line
