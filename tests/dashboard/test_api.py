@@ -230,8 +230,12 @@ def test_checkpoints_from_messages_and_disk(client, tmp_path):
         (30, False, 1920),
     ]
     assert cks[1]["size"] == 100 and cks[1]["topology"] == {"dp": 2, "tp": 1, "pp": 1}
-    expected = shlex.join([*CMD, "--resume", str(ck_root / "20")])
+    # 30 follows 20 in the folder: resuming 20 saves into a sibling folder (the trainer never
+    # writes over a newer checkpoint); the newest resumes in place.
+    branch = f"checkpoints.checkpoints_path={tmp_path / 'ck dir-from-20'}"
+    expected = shlex.join([*CMD, "--resume", str(ck_root / "20"), "--override", branch])
     assert cks[1]["resume_command"] == expected
+    assert cks[2]["resume_command"] == shlex.join([*CMD, "--resume", str(ck_root / "30")])
     assert cks[1]["resume_shell"] == f"cd {shlex.quote(str(tmp_path))} && {expected}"
     # a run started with --resume on a listed checkpoint links to its parent
     start(client, "r2", command=[*CMD, "--resume", str(ck_root / "20")])

@@ -118,9 +118,15 @@ def test_checkpoints_listed_and_resume_continues_the_run(first_run):
     assert all(c["complete"] for c in cks)
     ck3 = cks[0]
     assert Path(ck3["path"]).resolve() == (cwd / "ck" / "3").resolve()
-    assert ck3["resume_command"] == shlex.join([*first_run.command, "--resume", ck3["path"]])
+    # Checkpoint 6 follows 3 in the same folder: the resumed run saves into a sibling folder
+    # (the trainer never writes over a newer checkpoint); the newest resumes in place.
+    branch = f"checkpoints.checkpoints_path={Path(ck3['path']).parent}-from-3"
+    expected = [*first_run.command, "--resume", ck3["path"], "--override", branch]
+    assert ck3["resume_command"] == shlex.join(expected)
+    assert cks[1]["resume_command"] == shlex.join([*first_run.command, "--resume", cks[1]["path"]])
     assert ck3["consumed_tokens"] == first_run.records[2]["consumed_tokens"]
 
+    newest_before = (cwd / "ck" / "6" / "checkpoint_metadata.json").read_bytes()
     # Resume from the listed checkpoint, as the copy button's command does.
     train(cwd, shlex.split(ck3["resume_command"]), d.url)
     runs = {r["id"]: r for r in d.get("/api/runs")}
@@ -140,6 +146,8 @@ def test_checkpoints_listed_and_resume_continues_the_run(first_run):
         assert rec["lm_loss"] == pytest.approx(parent["lm_loss"], rel=1e-6)
         assert rec["consumed_tokens"] == parent["consumed_tokens"]
     assert points(d, run_id) == {r["step"]: numeric(r) for r in first_run.records}
+    assert (cwd / "ck-from-3" / "6" / "checkpoint_metadata.json").is_file()
+    assert (cwd / "ck" / "6" / "checkpoint_metadata.json").read_bytes() == newest_before
 
 
 def test_dashboard_down_changes_nothing_but_one_warning(first_run, tmp_path):

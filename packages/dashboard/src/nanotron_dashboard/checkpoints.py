@@ -124,8 +124,32 @@ def _files_size(folder: Path, files: Any) -> tuple[int, bool]:
     return size, complete
 
 
+BRANCH_SCAN_LIMIT = 10_000  # folder entries looked at for a newer checkpoint
+
+
+def newer_checkpoint_beside(checkpoint_path: str) -> bool:
+    """Whether the folder holding `checkpoint_path` (`<root>/<step>`) has a later step's
+    complete checkpoint: resuming there would write over it, which the trainer refuses."""
+    path = Path(checkpoint_path)
+    if not path.name.isdigit():
+        return False
+    try:
+        with os.scandir(path.parent) as entries:
+            for i, entry in enumerate(entries):
+                if i >= BRANCH_SCAN_LIMIT:
+                    break
+                later = entry.name.isdigit() and int(entry.name) > int(path.name)
+                if later and os.path.isfile(os.path.join(entry.path, "checkpoint_metadata.json")):
+                    return True  # a complete one (its metadata is written last)
+    except OSError:
+        return False
+    return False
+
+
 def resume_argv(command: list[str], checkpoint_path: str) -> list[str]:
-    """The recorded command line with `--resume <path>` (replacing an earlier --resume)."""
+    """The recorded command line with `--resume <path>` (replacing an earlier --resume). From
+    a checkpoint that later ones follow, the resumed run saves into a sibling folder
+    `<root>-from-<step>` (the trainer never writes over a newer checkpoint)."""
     out: list[str] = []
     skip = False
     for arg in command:
@@ -138,7 +162,12 @@ def resume_argv(command: list[str], checkpoint_path: str) -> list[str]:
         if arg.startswith("--resume="):
             continue
         out.append(arg)
-    return [*out, "--resume", checkpoint_path]
+    out += ["--resume", checkpoint_path]
+    if newer_checkpoint_beside(checkpoint_path):
+        path = Path(checkpoint_path)
+        branch = path.parent.with_name(f"{path.parent.name}-from-{path.name}")
+        out += ["--override", f"checkpoints.checkpoints_path={branch}"]
+    return out
 
 
 def resume_command(command: list[str], checkpoint_path: str) -> str:
