@@ -29,16 +29,21 @@ PORT = "{port}"  # a free port, per page
 SUBSTITUTIONS: list[tuple[str, str, str]] = [
     # (regex, replacement, why)
     (r"tokens\.train_steps=\d+", "tokens.train_steps=2", "tiny step counts"),
-    (r"(-m nanotron_train(?:\.launch)?\s.*?)(\s*&)?$", r"\1 --override tokens.train_steps=2\2",
-     "every training stops after 2 steps (an override of its own is replaced above)"),
+    (
+        r"(-m nanotron_train(?:\.launch)?\s.*?)(\s*&)?$",
+        r"\1 --override tokens.train_steps=2\2",
+        "every training stops after 2 steps (an override of its own is replaced above)",
+    ),
     (r"--max-new-tokens \d+", "--max-new-tokens 4", "short generations"),
     (r"--limit-batches \d+", "--limit-batches 1", "one evaluation batch"),
     (r"--split 0\.005", "--split 0.25", "the tiny Nanoset has few documents"),
     (r"checkpoints/1000\b|checkpoints/100\b", "checkpoints/2", "the prepared run's step"),
     (r"\.cache/data/<corpus>", ".cache/data/corpus", "the prepared corpus of the quickstart"),
-    (r"prepare-default --cache-dir \.cache/data",
-     "prepare-default --cache-dir .cache/data --source-root corpus-py --no-progress",
-     "a few Python files instead of the whole standard library"),
+    (
+        r"prepare-default --cache-dir \.cache/data",
+        "prepare-default --cache-dir .cache/data --source-root corpus-py --no-progress",
+        "a few Python files instead of the whole standard library",
+    ),
     (r"\b8008\b", PORT, "a free port for the dashboard"),
     (r"127\.0\.0\.1:29500", "127.0.0.1:{rdzv}", "a free rendezvous port"),
     (r"(?<![\w/])\.venv/", f"{ROOT}/.venv/", "the repository's environment"),
@@ -59,10 +64,14 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^(\S+=\S+ )+sbatch ", "needs SLURM; tests/packaging/test_slurm_example.py runs the script"),
     (r"llama-1b-gpu\.yaml", "a ~1B model on 8 GPUs or nodes: GPU only"),
     (r"NODE0_HOSTNAME", "needs several machines"),
-    (r"nt-checkpoints|--resume ckpt$",
-     "needs a Nanotron checkpoint: tests/train/test_nanotron_data.py converts and resumes one"),
-    (r"^\.venv/bin/python bench/|^\S+/\.venv/bin/python bench/",
-     "benchmarks run for minutes; their figures are in docs/benchmarks.md"),
+    (
+        r"nt-checkpoints|--resume ckpt$",
+        "needs a Nanotron checkpoint: tests/train/test_nanotron_data.py converts and resumes one",
+    ),
+    (
+        r"^\.venv/bin/python bench/|^\S+/\.venv/bin/python bench/",
+        "benchmarks run for minutes; their figures are in docs/benchmarks.md",
+    ),
     (r"^bash bench/gpu\.sh", "GPU benchmark"),
 ]
 
@@ -108,7 +117,7 @@ PRELUDE = textwrap.dedent(
     """\
     trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT
     serve_check() {  # a server: started, answering within 60 s, stopped
-      eval "$1" & local pid=$!
+      eval "$1 &"; local pid=$!  # the server itself (a background simple command is exec'd)
       for _ in $(seq 300); do
         if curl -s -o /dev/null "http://127.0.0.1:$2/"; then kill $pid; wait $pid; return 0; fi
         kill -0 $pid 2>/dev/null || { wait $pid; return 1; }
@@ -129,8 +138,8 @@ def block_script(block: Block, ports: dict[str, int]) -> tuple[str, list[tuple[s
         is_server = re.search(r"(^|\s)nanotron-dashboard(?! delete-run)\s", real + " ")
         if is_server and not real.endswith("&"):
             real = f"serve_check {shlex_quote(real)} {ports['port']}"
-        lines.append(f"echo '+++ {cmd[:60]}' >&2")
-        lines.append(real if real.endswith("&") else f"{real}\necho \"+++ rc=$?\" >&2")
+        lines.append(f"echo {shlex_quote('+++ ' + cmd[:60])} >&2")
+        lines.append(real if real.endswith("&") else f'{real}\necho "+++ rc=$?" >&2')
         ran.append((real, expected))
     return "\n".join(lines) + "\n", ran
 
@@ -145,7 +154,7 @@ def check_block(block: Block, cwd: Path, env: dict[str, str]) -> None:
     if not ran:
         return
     proc = subprocess.run(
-        ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
     where = f"{rel(block.page)}:{block.line}"
     output = proc.stdout + proc.stderr
@@ -179,7 +188,7 @@ def sandbox(tmp_path_factory) -> Path:
     (base / "configs").symlink_to(ROOT / "configs")
     cfg = yaml.safe_load((ROOT / "configs" / "tiny-llama-cpu.yaml").read_text())
     cfg["parallelism"].update(dp=2, pp=2)
-    cfg["model"]["model_config"]["vocab_size"] = 8192
+    cfg["model"]["model_config"].update(vocab_size=8192, bos_token_id=0, eos_token_id=0)
     cfg["tokenizer"]["tokenizer_name_or_path"] = "tok"
     cfg["data_stages"][0]["data"]["dataset"] = {"dataset_folder": "nanoset"}
     (base / "run.yaml").write_text(yaml.safe_dump(cfg))
