@@ -55,7 +55,7 @@ def test_round_trip_hf_ours_hf_is_bitwise(pc1, tie):
 
 
 def test_kv_cache_decoding_and_greedy_generate_match_hf(pc1):
-    from nanotron_train.decoding import generate
+    from nanotron_train.inference.decoding import generate
 
     config = tiny_config(False)
     hf = hf_model(config, seed=7)

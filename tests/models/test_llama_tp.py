@@ -14,7 +14,7 @@ from models_helpers import hf_model, hf_reference, rel_err, tiny_config
 from nanotron_models import KVCache, build_llama, full_state_dict
 from nanotron_models.hf import hf_state_dict_to_ours, our_full_state_dict_to_hf
 from nanotron_parallel.testing import run_distributed
-from nanotron_train.decoding import generate
+from nanotron_train.inference.decoding import generate
 
 INIT_SEED = 123
 PROMPT, NEW_TOKENS = 5, 6

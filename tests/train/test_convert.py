@@ -27,7 +27,7 @@ def hf_dir(tmp_path_factory) -> Path:
     import transformers
 
     from nanotron_train.data.testing import make_tokenizer, tiny_texts
-    from nanotron_train.hf_folder import copy_tokenizer_files
+    from nanotron_train.interop.hf_folder import copy_tokenizer_files
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("conv")
@@ -59,7 +59,7 @@ def _hf_model(hf_dir: Path):
 
 
 def test_from_hf_then_generate_matches_transformers(hf_dir, tmp_path, capsys):
-    from nanotron_train.config import load_config
+    from nanotron_train.config.schema import load_config
     from nanotron_train.convert import main as convert_main
     from nanotron_train.generate import main as generate_main
 
@@ -112,7 +112,7 @@ def _finetune_config(ckpt: Path, tp: int) -> dict:
 
 
 def _resume_job(ckpt: str, tp: int) -> float:
-    from nanotron_train.config import config_from_dict
+    from nanotron_train.config.schema import config_from_dict
     from nanotron_train.trainer import train
 
     torch.set_num_threads(1)
@@ -124,7 +124,7 @@ def test_from_hf_checkpoint_resumes_in_trainer_at_tp1_and_tp2(hf_dir, tmp_path):
     import yaml
 
     from nanotron_train.convert import main
-    from nanotron_train.synthetic import SyntheticData
+    from nanotron_train.data.synthetic import SyntheticData
 
     config_file = tmp_path / "ft.yaml"
     config_file.write_text(yaml.safe_dump(_finetune_config(tmp_path / "unused", 1)))

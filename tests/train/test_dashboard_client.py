@@ -14,7 +14,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "dashboard"))
 from dashboard_helpers import free_port, start_dashboard  # noqa: E402
 
-from nanotron_train.dashboard_client import DashboardClient, client_from_config, ingest_url  # noqa: E402
+from nanotron_train.reporting.dashboard_client import (  # noqa: E402
+    DashboardClient,
+    client_from_config,
+    ingest_url,
+)
 
 
 @pytest.fixture(scope="module")

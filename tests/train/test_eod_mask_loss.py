@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanotron_train.config import ConfigError, config_from_dict
+from nanotron_train.config.schema import ConfigError, config_from_dict
 from nanotron_train.data import Nanoset
 from nanotron_train.data.stages import DatasetSpec, StageSpec
 from nanotron_train.data.testing import make_id_nanoset
@@ -57,7 +57,7 @@ def runs(tmp_path_factory) -> dict:
 
 def test_loss_leaves_out_exactly_the_labels_after_a_document_end(runs):
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.model_io import load_model, open_checkpoint
+    from nanotron_train.inference.model_io import load_model, open_checkpoint
 
     stage = StageSpec("s", 1, DatasetSpec(runs["folder"]), seed=3)  # the config's stage
     micro_batches = TrainData([stage], sequence_length=SEQ, micro_batch_size=2,

@@ -19,7 +19,7 @@ import yaml
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.testing import shared_default_group
 from nanotron_train.checkpoints.files import read_verified
-from nanotron_train.config import config_from_dict
+from nanotron_train.config.schema import config_from_dict
 from nanotron_train.fault.errors import TrainingStopped
 from nanotron_train.fault.spikes import LossSpikeDetector
 from nanotron_train.trainer import Trainer
@@ -203,7 +203,7 @@ def test_data_cache_builder_failure_reaches_the_waiting_rank_at_once(tmp_path):
 
     from nanotron_train.data.cache import cached_nanoset
     from nanotron_train.data.errors import DataError
-    from nanotron_train.data_source import BuilderBarrier
+    from nanotron_train.data.source import BuilderBarrier
 
     tok_dir = make_tokenizer(tmp_path / "tokenizer", vocab_size=300)
     bad = tmp_path / "raw.jsonl"

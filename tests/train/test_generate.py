@@ -54,7 +54,7 @@ def _config(root: Path, tok: Path, nanoset: Path) -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     """Train, generate at tp=1 (command, JSON out) and export to HF; shared by the tests."""
-    from nanotron_train.config import config_from_dict
+    from nanotron_train.config.schema import config_from_dict
     from nanotron_train.convert import main as convert_main
     from nanotron_train.data import tokenize_to_nanoset
     from nanotron_train.data.testing import make_tokenizer, tiny_texts
@@ -90,9 +90,9 @@ def trained(tmp_path_factory) -> dict:
 def test_generate_prints_and_matches_unbatched_decoding(trained, capsys):
     from nanotron_models import KVCache
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.decoding import generate, pad_prompts
     from nanotron_train.generate import main
-    from nanotron_train.model_io import load_model, open_checkpoint
+    from nanotron_train.inference.decoding import generate, pad_prompts
+    from nanotron_train.inference.model_io import load_model, open_checkpoint
 
     assert main([*trained["args"][:4], "--prompt", "def"]) == 0
     out = capsys.readouterr().out
@@ -124,7 +124,7 @@ def test_hf_export_loads_in_transformers_with_same_logits_and_greedy_tokens(trai
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.model_io import load_model, open_checkpoint
+    from nanotron_train.inference.model_io import load_model, open_checkpoint
 
     hf_dir = trained["hf"]
     config = json.loads((hf_dir / "config.json").read_text())
@@ -159,10 +159,10 @@ def _tp2_job(args: list[str], out_json: str, ckpt: str) -> list[int]:
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.decoding import generate
     from nanotron_train.generate import main
-    from nanotron_train.model_io import load_model, open_checkpoint
-    from nanotron_train.sampling import SamplingParams
+    from nanotron_train.inference.decoding import generate
+    from nanotron_train.inference.model_io import load_model, open_checkpoint
+    from nanotron_train.inference.sampling import SamplingParams
 
     dist.init_process_group("gloo", init_method="env://")
     assert main([*args, "--tp", "2", "--output-json", out_json]) == 0
@@ -178,9 +178,9 @@ def _tp2_job(args: list[str], out_json: str, ckpt: str) -> list[int]:
 
 def test_tp2_generate_equals_tp1_and_sampling_agrees_on_ranks(trained):
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.decoding import generate
-    from nanotron_train.model_io import load_model, open_checkpoint
-    from nanotron_train.sampling import SamplingParams
+    from nanotron_train.inference.decoding import generate
+    from nanotron_train.inference.model_io import load_model, open_checkpoint
+    from nanotron_train.inference.sampling import SamplingParams
 
     out_json = trained["root"] / "tp2.json"
     ranks = run_distributed(
@@ -213,7 +213,7 @@ def test_tp2_generate_equals_tp1_and_sampling_agrees_on_ranks(trained):
 
 def test_round_trip_ours_hf_ours_is_bitwise(trained):
     from nanotron_train.convert import main
-    from nanotron_train.model_io import full_model_tensors, open_checkpoint
+    from nanotron_train.inference.model_io import full_model_tensors, open_checkpoint
 
     out = trained["root"] / "back"
     config = trained["ckpt"] / "config.yaml"
@@ -229,7 +229,7 @@ def test_round_trip_ours_hf_ours_is_bitwise(trained):
 
 
 def test_top_k_and_top_p_keep_the_expected_tokens():
-    from nanotron_train.sampling import SamplingError, SamplingParams, filter_logits
+    from nanotron_train.inference.sampling import SamplingError, SamplingParams, filter_logits
 
     logits = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).clamp(min=1e-9).log()
     keep = lambda t: torch.isfinite(t)[0].tolist()  # noqa: E731

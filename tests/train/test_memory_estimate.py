@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nanotron_train.config import config_from_dict, load_config
-from nanotron_train.memory_estimate import GIB, estimate, memory_error
+from nanotron_train.config.memory_estimate import GIB, estimate, memory_error
+from nanotron_train.config.schema import config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-llama-cpu.yaml"
@@ -63,8 +63,8 @@ def test_configs_of_the_suite_fit_far_below():
 MEASURE = r"""
 import io, json, sys, torch
 from nanotron_parallel.context import ParallelContext
-from nanotron_train.config import config_from_dict
-from nanotron_train.memory_estimate import estimate
+from nanotron_train.config.schema import config_from_dict
+from nanotron_train.config.memory_estimate import estimate
 from nanotron_train.trainer import Trainer
 
 def status(key):
@@ -110,7 +110,7 @@ def eight_gib(tmp_path, monkeypatch):
     """A machine with 8 GiB available, whatever this one has."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {16 * 2**20} kB\nMemAvailable: {8 * 2**20} kB\n")
-    monkeypatch.setattr("nanotron_train.memory_estimate.MEMINFO", str(meminfo))
+    monkeypatch.setattr("nanotron_train.config.memory_estimate.MEMINFO", str(meminfo))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanotron_train.dashboard_sink import (
+from nanotron_train.reporting.dashboard_sink import (
     DashboardClient,
     checkpoint_message,
     launch_command,
     new_run_id,
     resumed_from,
 )
-from nanotron_train.metrics import (
+from nanotron_train.reporting.metrics import (
     MetricsLogger,
     MetricsSinkError,
     RunInfo,
@@ -302,12 +302,12 @@ class RecordingClient:
 
 
 def test_failing_training_reports_run_end_failed(tmp_path, monkeypatch):
-    from nanotron_train.config import load_config
+    from nanotron_train.config.schema import load_config
     from nanotron_train.trainer import Trainer, train
     from tests.train.test_cli import small_config, write
 
     fake = RecordingClient()
-    monkeypatch.setattr("nanotron_train.metrics.dashboard_client", lambda *a, **k: fake)
+    monkeypatch.setattr("nanotron_train.reporting.metrics.dashboard_client", lambda *a, **k: fake)
     real_step = Trainer.train_step
 
     def failing_step(self):
@@ -335,7 +335,7 @@ def test_each_file_record_names_its_run_and_attempt(tmp_path, monkeypatch):
     """A resumed launch appends to the same file: run id and attempt tell its lines apart, and
     the dashboard's replay of that launch reads only the numbers."""
     fake = RecordingClient()
-    monkeypatch.setattr("nanotron_train.metrics.dashboard_client", lambda *a, **k: fake)
+    monkeypatch.setattr("nanotron_train.reporting.metrics.dashboard_client", lambda *a, **k: fake)
     path = tmp_path / "metrics.jsonl"
     run = RunInfo("p", "n", {}, 1, {"dp": 1, "tp": 1, "pp": 1})
     first = MetricsLogger(str(path), run=run, stream=io.StringIO())
@@ -370,7 +370,7 @@ def test_each_file_record_names_its_run_and_attempt(tmp_path, monkeypatch):
 )
 def test_sizes_in_binary_units_in_step_lines_and_checkpoint_listings(memory, shown):
     from nanotron_train.checkpoints.listing import CheckpointEntry, to_table
-    from nanotron_train.metrics import format_line
+    from nanotron_train.reporting.metrics import format_line
 
     rec = {**records(1)[0], "memory": memory}
     assert format_line(rec, 10).endswith(f" | memory: {shown}")

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from nanotron_parallel.testing import shared_default_group
-from nanotron_train.config import Config, ConfigError, config_from_dict, expand_run_name
+from nanotron_train.config.schema import Config, ConfigError, config_from_dict, expand_run_name
 
 HERE = Path(__file__).parent / "nanotron"
 REPO = Path(__file__).resolve().parents[2]
@@ -167,7 +167,11 @@ def test_run_name_templates_and_case_insensitive_enums(monkeypatch):
 
 
 def test_weight_decay_exclusions_match_ours_or_nanotrons_names():
-    from nanotron_train.nanotron_names import excluded_from_weight_decay, from_nanotron, to_nanotron
+    from nanotron_train.interop.nanotron_names import (
+        excluded_from_weight_decay,
+        from_nanotron,
+        to_nanotron,
+    )
 
     nt = "model.decoder.3.pp_block.post_attention_layernorm.weight"
     assert to_nanotron("decoder.3.post_attn_norm.weight") == nt
@@ -351,8 +355,8 @@ def _stages_config(tmp_path: Path, nanoset: Path, steps: int, resume: bool = Fal
 def test_synthetic_and_real_stages_mix_with_their_own_sequence_lengths(tmp_path):
     """Stages switch source and sample length at their start step; a resume inside the run
     continues exactly (each stage's source keeps its position)."""
+    from nanotron_train.data.synthetic import synthetic_sample
     from nanotron_train.data.testing import make_id_nanoset
-    from nanotron_train.synthetic import synthetic_sample
 
     nanoset = make_id_nanoset(tmp_path / "ns", [50] * 20, low=1, high=60, vocab_size=64)
     tr = _trainer(_stages_config(tmp_path, nanoset, 6))
@@ -406,8 +410,8 @@ def test_initial_state_recorded_step_and_benchmark_csv(tmp_path):
 
 
 def test_log_levels_per_rank(tmp_path, capfd):
-    from nanotron_train.config import LoggingArgs
-    from nanotron_train.log_levels import configure_logging
+    from nanotron_train.config.schema import LoggingArgs
+    from nanotron_train.reporting.log_levels import configure_logging
 
     data = tiny_config()
     data["logging"] = {"log_level": "warning", "metrics_file": str(tmp_path / "m.jsonl")}
@@ -442,8 +446,8 @@ def test_tokenizer_revision_picks_that_snapshot_of_the_local_hub_cache(tmp_path,
     import huggingface_hub.constants
 
     from nanotron_train.data import DataError, load_tokenizer
+    from nanotron_train.data.source import tokenizer_path
     from nanotron_train.data.testing import make_tokenizer, tiny_texts
-    from nanotron_train.data_source import tokenizer_path
 
     repo = tmp_path / "hub" / "models--org--tok"
     revs = {"a" * 40: 300, "b" * 40: 320}
@@ -472,7 +476,7 @@ def _sanity_run(tmp: str) -> tuple[int, str, list[str]]:
 
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.testing import shared_default_group
-    from nanotron_train.sanity import SanityCheckError
+    from nanotron_train.fault.sanity import SanityCheckError
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -135,7 +135,7 @@ def write_nanotron_checkpoint(folder: Path, full: dict, config: dict, step: int,
     import yaml
     from safetensors.torch import save_file
 
-    from nanotron_train.nanotron_names import to_nanotron
+    from nanotron_train.interop.nanotron_names import to_nanotron
 
     mc = config["model"]["model_config"]
     tp, pp, h = 2, 2, mc["hidden_size"]
@@ -200,9 +200,9 @@ def test_from_nanotron_imports_weights_step_and_config(tmp_path):
     from nanotron_models import LlamaConfig, build_llama
     from nanotron_models.model import full_state_dict
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config import config_from_dict, load_config
+    from nanotron_train.config.schema import config_from_dict, load_config
     from nanotron_train.convert import main as convert_main
-    from nanotron_train.model_io import full_model_tensors, open_checkpoint
+    from nanotron_train.inference.model_io import full_model_tensors, open_checkpoint
     from nanotron_train.trainer import train
 
     config = yaml.safe_load(

@@ -169,8 +169,8 @@ def test_token_id_that_is_not_a_special_token_is_refused(run_dir, monkeypatch, c
 
 def test_to_hf_replaces_an_old_checkpoints_ordinary_token_ids_with_a_note(run_dir):
     from nanotron_models import LlamaConfig
+    from nanotron_train.config.token_ids import ids_for_export
     from nanotron_train.data import load_tokenizer
-    from nanotron_train.token_ids import ids_for_export
 
     tok = load_tokenizer(str(run_dir / "tok"))
     old = LlamaConfig(vocab_size=300, bos_token_id=1, eos_token_id=0, pad_token_id=5)

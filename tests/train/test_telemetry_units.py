@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from nanotron_parallel.testing import run_distributed, shared_default_group
-from nanotron_train.config import config_from_dict
-from nanotron_train.config_loader import ConfigError
-from nanotron_train.dashboard_client import DashboardClient
+from nanotron_train.config.loader import ConfigError
+from nanotron_train.config.schema import config_from_dict
+from nanotron_train.reporting.dashboard_client import DashboardClient
 from nanotron_train.telemetry.events import ThroughputWatch
 from nanotron_train.telemetry.samples import MAX_SAMPLES_JSON_BYTES, fit_samples
 from nanotron_train.telemetry.stragglers import StragglerDetector

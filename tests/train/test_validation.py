@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanotron_train.config import ConfigError, config_from_dict
+from nanotron_train.config.schema import ConfigError, config_from_dict
 from nanotron_train.data import DataError, Nanoset
 from nanotron_train.data.nanoset import NanosetWriter
 from nanotron_train.data.split import split_by_documents
@@ -272,7 +272,7 @@ def test_evaluate_cli_refuses_another_tokenizer(runs, tmp_path, capsys):
 
 def test_validation_folder_with_another_tokenizer_is_refused(runs, tmp_path):
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.data_source import build_data, build_validation_data
+    from nanotron_train.data.source import build_data, build_validation_data
 
     other = doc_id_nanoset(tmp_path / "other", 20, sha="f" * 64)
     raw = run_config(runs["folder"], str(tmp_path / "ck"), interval=2)

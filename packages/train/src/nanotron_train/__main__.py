@@ -13,11 +13,11 @@ import os
 import sys
 import time
 
-from nanotron_train.config import load_config
+from nanotron_train.config.schema import load_config
+from nanotron_train.config.training_inputs import prepare_for_training
 from nanotron_train.fault.errors import TrainingStopped
 from nanotron_train.fault.launcher import watch_launcher
 from nanotron_train.process_exit import exit_process
-from nanotron_train.training_inputs import prepare_for_training
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config_file, overrides_of(args), world_size=world_size)
         cfg = prepare_for_training(cfg, args.config_file, overrides_of(args))
-        from nanotron_train.metrics import check_optional_sinks
+        from nanotron_train.reporting.metrics import check_optional_sinks
         from nanotron_train.trainer import train
 
         check_optional_sinks(cfg.logging)  # on every rank, before any process group

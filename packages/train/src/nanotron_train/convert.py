@@ -29,7 +29,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from nanotron_train.hf_folder import (
+from nanotron_train.inference.model_io import TOKENIZER_HELP
+from nanotron_train.interop.hf_folder import (
     HFFolderError,
     check_writable,
     copy_tokenizer_files,
@@ -38,7 +39,6 @@ from nanotron_train.hf_folder import (
     read_hf_weights,
     write_folder_atomically,
 )
-from nanotron_train.model_io import TOKENIZER_HELP
 
 
 def to_hf(
@@ -51,8 +51,12 @@ def to_hf(
 ):
     """Export a checkpoint (any layout) as a Hugging Face Llama folder; returns its path.
     `tokenizer_path` replaces the tokenizer the checkpoint's config names."""
-    from nanotron_train.model_io import full_model_tensors, load_tokenizer_of, open_checkpoint
-    from nanotron_train.token_ids import ids_for_export
+    from nanotron_train.config.token_ids import ids_for_export
+    from nanotron_train.inference.model_io import (
+        full_model_tensors,
+        load_tokenizer_of,
+        open_checkpoint,
+    )
 
     check_writable(Path(out), overwrite)
     ckpt = open_checkpoint(ckpt_path, tokenizer_path)
@@ -100,7 +104,7 @@ def _write_tokenizer(tok, dst: Path, config) -> None:
 
 def _derived_config(hf: dict, model_config, dtype: str, tokenizer: str | None, out: Path):
     """A sensible fine-tuning config for an imported model (edit data_stages before use)."""
-    from nanotron_train.config import config_from_dict
+    from nanotron_train.config.schema import config_from_dict
 
     seq = min(2048, model_config.max_position_embeddings)
     raw = {
@@ -174,7 +178,7 @@ def from_hf(
     """Import a Hugging Face Llama folder as `<out>/<step>/`; returns the step folder."""
     from nanotron_models.hf import config_from_hf, hf_state_dict_to_ours_full
     from nanotron_train.checkpoints import CheckpointError
-    from nanotron_train.config import load_config
+    from nanotron_train.config.schema import load_config
 
     hf_dir, out = Path(hf_path), Path(out)
     if step < 0:
@@ -241,9 +245,9 @@ def save_imported(
 
 def from_nanotron(nanotron_path: str | Path, out: str | Path) -> Path:
     """Import a Nanotron checkpoint (weights, step, config) as `<out>/<step>/`."""
-    from nanotron_train import nanotron_checkpoint as nt
     from nanotron_train.checkpoints import CheckpointError
-    from nanotron_train.config import config_from_dict
+    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.interop import nanotron_checkpoint as nt
 
     folder, out = nt.resolve(nanotron_path), Path(out)
     step, samples, tokens = nt.read_position(folder)

@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 
-from nanotron_train.model_io import TOKENIZER_HELP
-from nanotron_train.tp_command import run_over_tp
+from nanotron_train.inference.model_io import TOKENIZER_HELP
+from nanotron_train.launching.tp_command import run_over_tp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace, pc) -> dict:
     from nanotron_train.data import DataError, Nanoset
     from nanotron_train.data.split import split_by_documents
     from nanotron_train.data.validation import ValidationData
-    from nanotron_train.evaluation import Evaluator
-    from nanotron_train.model_io import load_model, open_checkpoint
+    from nanotron_train.eval.evaluation import Evaluator
+    from nanotron_train.inference.model_io import load_model, open_checkpoint
 
     ckpt = open_checkpoint(args.ckpt_path, args.tokenizer)
     tokens = ckpt.train_config.get("tokens") or {}

@@ -1,7 +1,7 @@
 """`torchrun --nproc_per_node=N -m nanotron_train.generate --ckpt-path CKPT --prompt TEXT ...`
 
 Loads a checkpoint (saved in any layout) at tp = N / pp (`--pp`, default 1: with more, each
-step is pipelined over the stages, nanotron_train/pipelined_decoding.py), encodes the prompts with the
+step is pipelined over the stages, nanotron_train/inference/pipelined_decoding.py), encodes the prompts with the
 checkpoint's tokenizer (or --tokenizer PATH), decodes them in one left-padded batch with the KV cache (greedy at
 temperature 0, else top-k / top-p sampling from --seed), prints each prompt and its
 continuation, then the decode speed. `python -m nanotron_train.generate ...` runs one process.
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from nanotron_models.config import DTYPES
-from nanotron_train.model_io import TOKENIZER_HELP
-from nanotron_train.tp_command import run_over_tp
+from nanotron_train.inference.model_io import TOKENIZER_HELP
+from nanotron_train.launching.tp_command import run_over_tp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    from nanotron_train.decoding import DecodingError
+    from nanotron_train.inference.decoding import DecodingError
 
     prompts = list(args.prompt)
     if args.prompts_file:
@@ -60,9 +60,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, pc) -> dict:
     """Generate on every rank of `pc` (tp ranks only); returns the report (same on all ranks)."""
-    from nanotron_train.decoding import generate
-    from nanotron_train.model_io import load_model, load_tokenizer_of, open_checkpoint
-    from nanotron_train.sampling import SamplingParams
+    from nanotron_train.inference.decoding import generate
+    from nanotron_train.inference.model_io import load_model, load_tokenizer_of, open_checkpoint
+    from nanotron_train.inference.sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
     prompts = read_prompts(args)

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from nanotron_train.config import load_config
-    from nanotron_train.training_inputs import prepare_for_training
+    from nanotron_train.config.schema import load_config
+    from nanotron_train.config.training_inputs import prepare_for_training
 
     ours = argparse.ArgumentParser(add_help=False)
     add_trainer_args(ours)

@@ -16,7 +16,7 @@ from nanotron_models.flops import llama_block_costs, llama_block_names
 from nanotron_models.model import LlamaStage, build_llama_stage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.pipeline import stage_block_names
-from nanotron_train.config import Config
+from nanotron_train.config.schema import Config
 
 
 def padded_model_config(cfg: Config) -> LlamaConfig:

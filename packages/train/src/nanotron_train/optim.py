@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nanotron_parallel.data_parallel import OwnedPiece
-from nanotron_train.nanotron_names import excluded_from_weight_decay
+from nanotron_train.interop.nanotron_names import excluded_from_weight_decay
 
 
 class OptimizerConfigError(ValueError):

@@ -42,7 +42,7 @@ from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.data_parallel import DataParallelGrads
 from nanotron_parallel.tied import TiedParameters, tied_parameters
 from nanotron_parallel.zero import build_data_parallel
-from nanotron_train.config import Config
+from nanotron_train.config.schema import Config
 
 
 @dataclass

@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanotron_train.port_owner import holds_port
+from nanotron_train.launching.port_owner import holds_port
 
 CACHE = Path(".cache")
 CONFIG = Path("configs/quickstart-cpu.yaml")

@@ -33,19 +33,23 @@ from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_gr
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.context_parallel import split_batch
 from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step
-from nanotron_train.benchmark_csv import append_row, benchmark_row
 from nanotron_train.checkpoints.hooks import Checkpointing
-from nanotron_train.config import Config
-from nanotron_train.dashboard_sink import checkpoint_run_id
-from nanotron_train.data_source import build_data
-from nanotron_train.evaluation import build_evaluator
+from nanotron_train.config.memory_estimate import check_memory
+from nanotron_train.config.schema import Config
+from nanotron_train.data.source import build_data
+from nanotron_train.eval.evaluation import build_evaluator
 from nanotron_train.fault.nonfinite import stop as nonfinite_stop
+from nanotron_train.fault.sanity import SanityCheckError, check_dp_replicas
 from nanotron_train.fault.session import FaultTolerance
-from nanotron_train.initial_weights import load_initial_weights
-from nanotron_train.log_levels import configure_logging, prints_step_lines
+from nanotron_train.interop.initial_weights import load_initial_weights
 from nanotron_train.lr_schedule import build_lr_schedule
-from nanotron_train.memory_estimate import check_memory
-from nanotron_train.metrics import (
+from nanotron_train.model_factory import build_stage_chunks, padded_model_config
+from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
+from nanotron_train.parallelize import parallelize
+from nanotron_train.reporting.benchmark_csv import append_row, benchmark_row
+from nanotron_train.reporting.dashboard_sink import checkpoint_run_id
+from nanotron_train.reporting.log_levels import configure_logging, prints_step_lines
+from nanotron_train.reporting.metrics import (
     MetricsLogger,
     StepMeasure,
     build_metrics_logger,
@@ -53,11 +57,7 @@ from nanotron_train.metrics import (
     make_record,
     peak_memory_bytes,
 )
-from nanotron_train.model_factory import build_stage_chunks, padded_model_config
-from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
-from nanotron_train.parallelize import parallelize
-from nanotron_train.profiling import StepProfiler
-from nanotron_train.sanity import SanityCheckError, check_dp_replicas
+from nanotron_train.reporting.profiling import StepProfiler
 from nanotron_train.telemetry.samples import SampleMaker
 from nanotron_train.telemetry.session import Telemetry
 from nanotron_train.train_state import StepOutput, TrainState

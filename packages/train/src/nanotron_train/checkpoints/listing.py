@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.layout import LATEST_FILE, METADATA_FILE, TMP_PREFIX
-from nanotron_train.sizes import format_bytes
+from nanotron_train.reporting.sizes import format_bytes
 
 
 @dataclass

@@ -45,7 +45,7 @@ _PHASES = (
     ("nanotron_parallel/pipeline/schedules", "pp loss broadcast"),
     ("nanotron_train/checkpoints/", "checkpoint"),
     ("nanotron_train/data", "data"),
-    ("nanotron_train/evaluation", "evaluation"),
+    ("nanotron_train/eval/evaluation", "evaluation"),
     ("nanotron_train/trainer", "loss dp all-reduce"),
 )
 _COMM = ("/torch/distributed/", "nanotron_parallel/")

@@ -3,7 +3,7 @@
 When `logging.sample_prompts` is set, every checkpoint the ranks of dp rank 0 (its tp and pp
 groups; with pp > 1 the steps are pipelined, pipelined_decoding.py; every cp rank decodes the
 whole sequences alike, context parallel switched off meanwhile) decode the prompts in one
-batch with `decoding.generate` (nanotron_train/decoding.py), and rank 0 logs them and sends a
+batch with `decoding.generate` (nanotron_train/inference/decoding.py), and rank 0 logs them and sends a
 `samples` message. Training is unchanged by it, bitwise: no gradient is made (no_grad), no RNG state
 moves (greedy decoding draws nothing; `fork_rng` restores the generators anyway), the
 parameters are only read, and the tp mode and context parallel the model trains with are
@@ -20,8 +20,8 @@ from contextlib import nullcontext
 
 import torch
 
-from nanotron_train.decoding import generate
-from nanotron_train.pipelined_decoding import stage_chunks
+from nanotron_train.inference.decoding import generate
+from nanotron_train.inference.pipelined_decoding import stage_chunks
 
 MAX_COMPLETION_CHARS = 16_000
 # The dashboard refuses a message over 1 MiB; 64 prompts of 4,000 characters with completions of

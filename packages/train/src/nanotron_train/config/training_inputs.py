@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nanotron_train.config_loader import ConfigError
+from nanotron_train.config.loader import ConfigError
 
 
 def config_source(config_file: str, overrides: list[str] | tuple[str, ...]) -> str:
@@ -69,8 +69,8 @@ def _settle_dataset(ds: Any, key: str, source: str) -> None:
 
 
 def _check_token_ids(cfg: Any, source: str) -> None:
+    from nanotron_train.config.token_ids import token_id_problems
     from nanotron_train.data import DataError, load_tokenizer
-    from nanotron_train.token_ids import token_id_problems
 
     tok_args = cfg.tokenizer
     if not tok_args.tokenizer_name_or_path:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from nanotron_train.config_loader import ConfigError
+from nanotron_train.config.loader import ConfigError
 
 if TYPE_CHECKING:
-    from nanotron_train.config import Config
+    from nanotron_train.config.schema import Config
 
 MAX_SAMPLE_PROMPTS = 64  # the dashboard's bound on one `samples` message
 MAX_PROMPT_CHARS = 4000

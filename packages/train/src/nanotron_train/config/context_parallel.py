@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nanotron_train.config_loader import ConfigError
+from nanotron_train.config.loader import ConfigError
 
 if TYPE_CHECKING:
-    from nanotron_train.config import Config
+    from nanotron_train.config.schema import Config
 
 KEY = "parallelism.context_parallel_size"
 

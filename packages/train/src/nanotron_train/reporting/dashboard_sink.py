@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nanotron_train.dashboard_client import DashboardClient
+from nanotron_train.reporting.dashboard_client import DashboardClient
 
 CHECKPOINT_METADATA = "checkpoint_metadata.json"
 

@@ -31,14 +31,14 @@ def _is_nanotron(folder: Path) -> bool:
 
 def read_full_weights(path: str, tied: bool) -> dict[str, torch.Tensor]:
     """Our global names -> full tensors, from our checkpoint or a Nanotron one."""
-    from nanotron_train import nanotron_checkpoint as nt
+    from nanotron_train.interop import nanotron_checkpoint as nt
 
     folder = Path(path)
     if (folder / "latest.txt").is_file() and not (folder / "checkpoint_metadata.json").exists():
         folder = folder / (folder / "latest.txt").read_text().strip()
     if _is_nanotron(folder):
         return nt.to_our_names(nt.read_weights(folder), tied)
-    from nanotron_train.model_io import full_model_tensors, open_checkpoint
+    from nanotron_train.inference.model_io import full_model_tensors, open_checkpoint
 
     full = full_model_tensors(open_checkpoint(folder))
     if tied or "lm_head.weight" not in full:

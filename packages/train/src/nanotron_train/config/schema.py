@@ -21,12 +21,12 @@ from typing import Any, Literal
 import yaml
 
 from nanotron_models.config import LlamaConfig
-from nanotron_train.config_checks import validate
-from nanotron_train.config_loader import ConfigError, apply_override, from_dict, to_dict
+from nanotron_train.config.checks import validate
+from nanotron_train.config.fault import FaultToleranceArgs
+from nanotron_train.config.loader import ConfigError, apply_override, from_dict, to_dict
+from nanotron_train.config.perf import ProfilerArgs
+from nanotron_train.config.validation import ValidationArgs
 from nanotron_train.data.stages import DatasetSpec
-from nanotron_train.fault_config import FaultToleranceArgs
-from nanotron_train.perf_config import ProfilerArgs
-from nanotron_train.validation_config import ValidationArgs
 
 __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "save_config"]
 

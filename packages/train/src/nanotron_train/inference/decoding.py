@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron_models import KVCache
-from nanotron_train.sampling import SamplingParams, make_generator, next_tokens
+from nanotron_train.inference.sampling import SamplingParams, make_generator, next_tokens
 
 
 class DecodingError(ValueError):
@@ -125,7 +125,7 @@ def generate(
     if holds_whole_model(stage):
         forward_step = _one_stage_step(stage)
     else:
-        from nanotron_train.pipelined_decoding import pipelined_step
+        from nanotron_train.inference.pipelined_decoding import pipelined_step
 
         forward_step = pipelined_step(stage)
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from nanotron_train.config import Config, DatasetStageArgs
+from nanotron_train.config.schema import Config, DatasetStageArgs
 from nanotron_train.data import StageSpec, TrainData, load_tokenizer
-from nanotron_train.synthetic import SyntheticData
+from nanotron_train.data.synthetic import SyntheticData
 
 
 class StagedData:

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanotron_train.config_loader import ConfigError
-from nanotron_train.config_rules import Check, at_least, value
+from nanotron_train.config.loader import ConfigError
+from nanotron_train.config.rules import Check, at_least, value
 
 if TYPE_CHECKING:
-    from nanotron_train.config import Config
+    from nanotron_train.config.schema import Config
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

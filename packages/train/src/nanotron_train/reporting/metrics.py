@@ -28,14 +28,14 @@ from typing import Any, TextIO
 
 import torch
 
-from nanotron_train.dashboard_sink import (
+from nanotron_train.reporting.dashboard_sink import (
     checkpoint_message,
     dashboard_client,
     launch_command,
     new_run_id,
     resumed_from,
 )
-from nanotron_train.sizes import format_bytes
+from nanotron_train.reporting.sizes import format_bytes
 
 
 class MetricsSinkError(ValueError):

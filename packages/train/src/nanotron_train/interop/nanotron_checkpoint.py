@@ -22,7 +22,7 @@ import yaml
 from safetensors import safe_open
 
 from nanotron_train.checkpoints.errors import CheckpointError
-from nanotron_train.nanotron_names import from_nanotron
+from nanotron_train.interop.nanotron_names import from_nanotron
 
 _FILE = re.compile(
     r"model_(?P<attr>[^_].*?)(?:_pp-rank-\d+-of-\d+_tp-rank-\d+-of-\d+)?\.safetensors"

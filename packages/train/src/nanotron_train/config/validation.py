@@ -16,11 +16,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanotron_train.config_loader import ConfigError
+from nanotron_train.config.loader import ConfigError
 from nanotron_train.data.stages import DatasetSpec
 
 if TYPE_CHECKING:
-    from nanotron_train.config import Config
+    from nanotron_train.config.schema import Config
 
 
 @dataclass

@@ -13,18 +13,18 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from nanotron_models.config import ModelConfigError
-from nanotron_train.config_loader import ConfigError
-from nanotron_train.config_rules import Check, at_least, below_one, positive, refused
-from nanotron_train.config_values import validate_values
-from nanotron_train.context_parallel_config import validate_context_parallel
+from nanotron_train.config.context_parallel import validate_context_parallel
+from nanotron_train.config.fault import validate_fault
+from nanotron_train.config.loader import ConfigError
+from nanotron_train.config.perf import validate_perf
+from nanotron_train.config.rules import Check, at_least, below_one, positive, refused
+from nanotron_train.config.telemetry import validate_telemetry
+from nanotron_train.config.validation import validate_validation
+from nanotron_train.config.values import validate_values
 from nanotron_train.data.stages import HF_ONLY, NANOSET_ONLY, DatasetSpec
-from nanotron_train.fault_config import validate_fault
-from nanotron_train.perf_config import validate_perf
-from nanotron_train.telemetry_config import validate_telemetry
-from nanotron_train.validation_config import validate_validation
 
 if TYPE_CHECKING:
-    from nanotron_train.config import Config, DatasetStageArgs
+    from nanotron_train.config.schema import Config, DatasetStageArgs
 
 
 def _model_config_error(cfg: Config) -> str | None:

@@ -92,7 +92,7 @@ class Evaluator:
 
 def build_evaluator(cfg, pc, model: nn.Module, train_data: Any) -> Evaluator | None:
     """The run's Evaluator, or None when the config has no `validation` section."""
-    from nanotron_train.data_source import build_validation_data
+    from nanotron_train.data.source import build_validation_data
 
     data = build_validation_data(cfg, pc, train_data)
     if data is None:

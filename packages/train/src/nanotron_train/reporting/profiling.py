@@ -25,7 +25,7 @@ from torch.profiler import (
     tensorboard_trace_handler,
 )
 
-from nanotron_train.perf_config import ProfilerArgs
+from nanotron_train.config.perf import ProfilerArgs
 
 
 class StepProfiler:

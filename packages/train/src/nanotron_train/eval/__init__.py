@@ -1,0 +1,1 @@
+"""Held-out evaluation during training and in the evaluate command."""

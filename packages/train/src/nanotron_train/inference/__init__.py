@@ -1,0 +1,1 @@
+"""Decoding a checkpoint's model: sampling, the KV-cache loop, pipelined steps."""

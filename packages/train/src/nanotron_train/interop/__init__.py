@@ -1,0 +1,1 @@
+"""Other formats: Hugging Face folders, Nanotron checkpoints, initial weights."""

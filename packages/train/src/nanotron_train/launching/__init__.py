@@ -1,0 +1,1 @@
+"""How the commands start their processes: the checkpoint commands' tp group, the quickstart's port owner."""

@@ -1,0 +1,1 @@
+"""What a run reports: metrics records and sinks, the dashboard client, profiling, sizes, log levels."""
