@@ -6,9 +6,9 @@
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from nanotron_parallel.context import (
+from nanotron_parallel.context import ParallelContext
+from nanotron_parallel.grid import (
     ParallelConfigError,
-    ParallelContext,
     grid_coords,
     group_rank_lists,
     rank_grid,

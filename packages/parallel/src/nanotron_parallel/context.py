@@ -1,13 +1,11 @@
 """ParallelContext: the one object that owns every process group of a parallel run.
 
-The rank grid is (pp, dp, cp, tp) with tp fastest, so the ranks of one tp group are
-consecutive and sit on one node, and a cp group (context parallel, which exchanges keys and
-values every layer) is the next closest:
-``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
-With cp = 1 this is the (pp, dp, tp) grid of a 3D-parallel run, rank for rank.
-
-Parameters are replicated over cp as over dp, so gradients are reduced (and ZeRO shards)
-over the flattened dp x cp group, `dp_cp_group`, whose rank is ``dp_rank * cp + cp_rank``.
+Its dimensions and group kinds come from the table in grid.py (rank grid (pp, dp, cp, tp),
+tp fastest): for each dimension and each derived kind the context holds `<name>_group` and
+`<name>_ranks`, for each dimension `<name>_size` and `<name>_rank`, and for each derived kind
+its size and this rank's place in it. Parameters are replicated over cp as over dp, so
+gradients are reduced (and ZeRO shards) over the flattened dp x cp group, `dp_cp_group`, whose
+rank is ``dp_rank * cp + cp_rank``.
 """
 
 from __future__ import annotations
@@ -19,73 +17,31 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+from nanotron_parallel.grid import (
+    DERIVED_GROUPS,
+    DIMENSIONS,
+    GROUP_KINDS,
+    ParallelConfigError,
+    check_degrees,
+    coords_at,
+    degrees,
+    grid_coords,
+    group_rank_lists,
+    kind_rank_lists,
+    rank_at,
+    rank_grid,
+    validate_degrees,
+)
 
-
-class ParallelConfigError(ValueError):
-    """A parallel layout or shape that cannot work (names the offending numbers)."""
-
-
-def _product_text(dp: int, tp: int, pp: int, cp: int) -> tuple[str, str]:
-    """("dp*tp*pp", "dp=2 * tp=2 * pp=1"), with cp named only when it is not 1."""
-    names = ("dp", "cp", "tp", "pp") if cp != 1 else ("dp", "tp", "pp")
-    values = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
-    return "*".join(names), " * ".join(f"{n}={values[n]}" for n in names)
-
-
-def validate_degrees(dp: int, tp: int, pp: int, world_size: int | None = None, cp: int = 1) -> None:
-    """Raise ParallelConfigError for a non-positive degree or dp*cp*tp*pp != world_size."""
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ParallelConfigError(
-                f"parallelism degree {name}={value!r} must be a positive integer "
-                f"(got dp={dp}, tp={tp}, pp={pp}, cp={cp})"
-            )
-    if world_size is not None and dp * cp * tp * pp != world_size:
-        names, factors = _product_text(dp, tp, pp, cp)
-        raise ParallelConfigError(
-            f"{names} must equal the world size: {factors} = "
-            f"{dp * cp * tp * pp}, but world_size={world_size}"
-        )
-
-
-def rank_grid(dp: int, tp: int, pp: int, cp: int = 1) -> list[list[list[list[int]]]]:
-    """Global ranks as nested lists ``grid[pp_rank][dp_rank][cp_rank][tp_rank]`` (tp fastest)."""
-    validate_degrees(dp, tp, pp, cp=cp)
-    return [
-        [
-            [[((p * dp + d) * cp + c) * tp + t for t in range(tp)] for c in range(cp)]
-            for d in range(dp)
-        ]
-        for p in range(pp)
-    ]
-
-
-def grid_coords(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int, int]:
-    """(dp_rank, tp_rank, pp_rank, cp_rank) of a global rank in the (pp, dp, cp, tp) grid
-    (cp last, so the first three keep their places from the 3D grid)."""
-    validate_degrees(dp, tp, pp, cp=cp)
-    world = dp * cp * tp * pp
-    if not 0 <= rank < world:
-        raise ParallelConfigError(f"rank={rank} is outside [0, world_size={world})")
-    return (rank // (tp * cp)) % dp, rank % tp, rank // (tp * cp * dp), (rank // tp) % cp
-
-
-def group_rank_lists(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Every group of each kind ("tp", "dp", "pp", "mp", "cp", "dp_cp") as sorted global-rank
-    lists. Each kind partitions the world."""
-    g = rank_grid(dp, tp, pp, cp)
-    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
-    return {
-        "tp": [g[p][d][c] for p in P for d in D for c in C],
-        "dp": [[g[p][d][c][t] for d in D] for p in P for c in C for t in T],
-        "pp": [[g[p][d][c][t] for p in P] for d in D for c in C for t in T],
-        # One model replica: every (pp, tp) rank that shares a dp_rank and a cp_rank.
-        "mp": [sorted(g[p][d][c][t] for p in P for t in T) for d in D for c in C],
-        "cp": [[g[p][d][c][t] for c in C] for p in P for d in D for t in T],
-        # The gradient reduction: every rank holding the same parameters (same pp, tp).
-        "dp_cp": [sorted(g[p][d][c][t] for d in D for c in C) for p in P for t in T],
-    }
+__all__ = [
+    "ParallelConfigError",
+    "ParallelContext",
+    "collective_device",
+    "grid_coords",
+    "group_rank_lists",
+    "rank_grid",
+    "validate_degrees",
+]
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -113,6 +69,30 @@ def _env_int(name: str, default: int | None = None) -> int:
 class ParallelContext:
     """Process groups and coordinates of this rank for a (dp, tp, pp, cp) layout."""
 
+    # Set from the grid table (grid.py), one of each per dimension or group kind:
+    dp_size: int
+    tp_size: int
+    pp_size: int
+    cp_size: int
+    dp_cp_size: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_cp_rank: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup
+    dp_cp_group: dist.ProcessGroup
+    tp_ranks: list[int]
+    dp_ranks: list[int]
+    pp_ranks: list[int]
+    cp_ranks: list[int]
+    mp_ranks: list[int]
+    dp_cp_ranks: list[int]
+
     def __init__(
         self,
         dp: int = 1,
@@ -129,7 +109,8 @@ class ParallelContext:
         slice is faster, so that is the default there; tests set True to run NCCL's code paths
         (ZeRO-1's reduce-scatter and all-gather, sequence parallel's reduce-scatter) on the CPU.
         `cp`: the context-parallel degree (each sequence split over cp ranks)."""
-        validate_degrees(dp, tp, pp, cp=cp)
+        self.sizes = degrees(dp, tp, pp, cp)
+        check_degrees(self.sizes)
         launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
         if dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -138,7 +119,7 @@ class ParallelContext:
         else:
             world_size, rank = 1, 0
         # Validate everything before a single group exists.
-        validate_degrees(dp, tp, pp, world_size, cp=cp)
+        check_degrees(self.sizes, world_size)
         if not 0 <= rank < world_size:
             raise ParallelConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
         self.local_rank = _env_int("LOCAL_RANK", rank)
@@ -159,29 +140,40 @@ class ParallelContext:
         if tensor_collectives is None:
             tensor_collectives = self.backend == "nccl"
         self.tensor_collectives = tensor_collectives
-        self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
-        self.dp_rank, self.tp_rank, self.pp_rank, self.cp_rank = self.coords_of(rank)
-        self.dp_cp_size, self.dp_cp_rank = dp * cp, self.dp_rank * cp + self.cp_rank
         self.world_group = dist.group.WORLD
         self._created_groups: list[dist.ProcessGroup] = []
-
-        mine: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
-        for kind, lists in group_rank_lists(dp, tp, pp, cp).items():
-            for ranks in lists:
-                group = dist.new_group(ranks=ranks, timeout=timeout)
-                self._created_groups.append(group)
-                if rank in ranks:
-                    mine[kind] = (group, ranks)
-        self.tp_group, self.tp_ranks = mine["tp"]
-        self.dp_group, self.dp_ranks = mine["dp"]
-        self.pp_group, self.pp_ranks = mine["pp"]
-        self.mp_group, self.mp_ranks = mine["mp"]
-        self.cp_group, self.cp_ranks = mine["cp"]
-        self.dp_cp_group, self.dp_cp_ranks = mine["dp_cp"]
+        self._set_coordinates()
+        self._make_groups()
         if self.backend == "nccl" and pp > 1:
             # NCCL needs every rank of a group in one collective before batched p2p between a
             # subset of them: one tiny all-reduce, once, instead of one per step.
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
+
+    def _set_coordinates(self) -> None:
+        """`<dim>_size` and `<dim>_rank` per dimension; a derived kind's size and this rank's
+        index in its group (dp_cp: dp_rank * cp + cp_rank)."""
+        coords = coords_at(self.sizes, self.rank)
+        for d in DIMENSIONS:
+            setattr(self, f"{d.name}_size", self.sizes[d.name])
+            setattr(self, f"{d.name}_rank", coords[d.name])
+        for kind, spans in DERIVED_GROUPS.items():
+            size, index = 1, 0
+            for name in spans:
+                size, index = size * self.sizes[name], index * self.sizes[name] + coords[name]
+            setattr(self, f"{kind}_size", size)
+            setattr(self, f"{kind}_rank", index)
+
+    def _make_groups(self) -> None:
+        """Every group of every kind, created in the same order on all ranks (creation is
+        collective over the world); `<kind>_group` and `<kind>_ranks` are the ones holding
+        this rank."""
+        for kind, spans in GROUP_KINDS.items():
+            for ranks in kind_rank_lists(self.sizes, spans):
+                group = dist.new_group(ranks=ranks, timeout=self.timeout)
+                self._created_groups.append(group)
+                if self.rank in ranks:
+                    setattr(self, f"{kind}_group", group)
+                    setattr(self, f"{kind}_ranks", ranks)
 
     # -- construction helpers ------------------------------------------------------------
     def _pick_backend(self, backend: str | None) -> str:
@@ -232,17 +224,12 @@ class ParallelContext:
         self, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0
     ) -> int:
         """Global rank at the given coordinates."""
-        for name, value, size in (
-            ("dp_rank", dp_rank, self.dp_size),
-            ("tp_rank", tp_rank, self.tp_size),
-            ("pp_rank", pp_rank, self.pp_size),
-            ("cp_rank", cp_rank, self.cp_size),
-        ):
+        coords = {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank, "cp": cp_rank}
+        for d in DIMENSIONS:
+            value, size = coords[d.name], self.sizes[d.name]
             if not 0 <= value < size:
-                raise ParallelConfigError(f"{name}={value} is outside [0, {size})")
-        return (
-            (pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank
-        ) * self.tp_size + tp_rank
+                raise ParallelConfigError(f"{d.name}_rank={value} is outside [0, {size})")
+        return rank_at(self.sizes, coords)
 
     @property
     def is_first_stage(self) -> bool:

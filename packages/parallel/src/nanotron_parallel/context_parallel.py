@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nanotron_parallel.context import ParallelConfigError
+from nanotron_parallel.grid import ParallelConfigError
 from nanotron_parallel.tensor_parallel.functional import (
     _all_gather_tensor,
     _reduce_scatter_tensor,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanotron_parallel.context import ParallelConfigError
+from nanotron_parallel.grid import ParallelConfigError
 
 _META_ATTR = "_nanotron_param_meta"
 

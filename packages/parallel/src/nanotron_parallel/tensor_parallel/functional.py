@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from nanotron_parallel.context import ParallelConfigError
+from nanotron_parallel.grid import ParallelConfigError
 from nanotron_parallel.phase_timer import comm_span
 
 Group = dist.ProcessGroup | None

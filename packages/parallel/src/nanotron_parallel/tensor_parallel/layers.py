@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanotron_parallel.context import ParallelConfigError
+from nanotron_parallel.grid import ParallelConfigError
 from nanotron_parallel.sharding import ParamMeta, set_param_meta, shard_tensor
 from nanotron_parallel.tensor_parallel.async_linear import async_column_linear, async_row_linear
 from nanotron_parallel.tensor_parallel.functional import (

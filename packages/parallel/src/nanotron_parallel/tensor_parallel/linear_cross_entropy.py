@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nanotron_parallel.context import ParallelConfigError
+from nanotron_parallel.grid import ParallelConfigError
 from nanotron_parallel.tensor_parallel.functional import all_reduce_
 
 # Logit elements per chunk (64 MiB in fp32): rows = this // (V/tp). Big enough that the chunk's
