@@ -303,8 +303,8 @@ def _wait_for_a_late_rank_in_the_optimizer(collective: str) -> dict:
     import torch.distributed as dist
 
     from nanotron_parallel.clip import global_grad_norm
+    from nanotron_parallel.data_parallel import build_data_parallel
     from nanotron_parallel.phase_timer import PhaseTimer, activate, deactivate
-    from nanotron_parallel.zero import build_data_parallel
     from nanotron_train.telemetry.rank_stats import FIELDS, local_row
 
     timer = PhaseTimer(torch.device("cpu"))

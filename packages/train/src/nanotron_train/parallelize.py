@@ -20,7 +20,7 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
 4. Pipeline chunks: v chunks become one `StageChunks` module (tied ends re-tied when pp = 1),
    and the tied embedding / lm_head copies of the first and last stage get their group.
 5. Data parallel / ZeRO: gradient buffers and the reduction policy of `optimizer.zero_stage`
-   (`nanotron_parallel.zero.build_data_parallel`; ZeRO-3 gathers the parameters of each block
+   (`nanotron_parallel.data_parallel.build_data_parallel`; ZeRO-3 gathers the parameters of each block
    the stage calls, `called_blocks()`, around its forward and backward), over
    the dp x cp group: parameters are replicated over cp as over dp, so their gradients are
    averaged (and ZeRO shards) over both. With cp = 1 that group is the dp group.
@@ -39,9 +39,8 @@ from torch import nn
 from nanotron_models.chunks import StageChunks
 from nanotron_models.model import LlamaStage
 from nanotron_parallel.context import ParallelContext
-from nanotron_parallel.data_parallel import DataParallelGrads
+from nanotron_parallel.data_parallel import DataParallelGrads, build_data_parallel
 from nanotron_parallel.tied import TiedParameters, tied_parameters
-from nanotron_parallel.zero import build_data_parallel
 from nanotron_train.config.schema import Config
 
 

@@ -37,10 +37,10 @@ HANG_DETAILS_KEY = "hang_details"  # JSON: step, phase, the rank(s) that did not
 _PHASES = (
     ("nanotron_parallel/pipeline/p2p", "pp p2p"),
     ("nanotron_parallel/tensor_parallel/", "tp"),
+    ("nanotron_parallel/data_parallel/zero", "optimizer"),
     ("nanotron_parallel/data_parallel", "dp"),
     ("nanotron_parallel/tied", "tied embeddings"),
     ("nanotron_parallel/clip", "optimizer"),
-    ("nanotron_parallel/zero", "optimizer"),
     ("nanotron_train/optim", "optimizer"),
     ("nanotron_parallel/pipeline/schedules", "pp loss broadcast"),
     ("nanotron_train/checkpoints/", "checkpoint"),

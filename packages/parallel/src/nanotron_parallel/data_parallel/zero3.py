@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from nanotron_parallel.data_parallel import Bucket
+from nanotron_parallel.data_parallel.buckets import Bucket
+from nanotron_parallel.data_parallel.zero import ZeroTwoGrads, alloc_storage, free_storage
 from nanotron_parallel.phase_timer import comm_span
 from nanotron_parallel.tensor_parallel.functional import _all_gather_tensor
-from nanotron_parallel.zero import ZeroTwoGrads, alloc_storage, free_storage
 
 
 @dataclass

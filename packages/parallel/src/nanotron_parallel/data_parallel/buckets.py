@@ -5,7 +5,7 @@ accumulating in fp32, else the parameter's dtype). A post-accumulate-grad hook a
 into it, already divided by dp, and frees `param.grad`, so micro-batches accumulate locally and
 nothing is communicated until the last micro-batch. `arm()` (the pipeline's `on_last_backward`)
 makes the hooks count arrivals: when every gradient of a bucket has arrived in the last
-backward, that bucket's asynchronous all-reduce (or, for ZeRO-1, reduce-scatter: see zero.py)
+backward, that bucket's asynchronous all-reduce (or, for ZeRO, reduce-scatter: see zero.py)
 starts while the backward goes on. `finish()` launches whatever is left and waits; the sum of
 the pre-divided gradients is the mean over data-parallel replicas, with no pass over the
 buffers to divide (dividing by a power of two is exact, so the result is the same bitwise).
@@ -13,7 +13,8 @@ buffers to divide (dividing by a power of two is exact, so the result is the sam
 This object owns the whole data-parallel policy: buckets, padding, which collective reduces,
 which ranges this rank steps (`owned_pieces`) and counts in the gradient norm
 (`grad_norm_views`), and the parameter all-gather after the step (`gather_params`, ZeRO-1/2).
-`build_data_parallel` picks the class for a zero stage.
+It reduces over the group it is given, whatever that group is; `build_data_parallel`
+(this package's entry) picks the class for a zero stage.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class DataParallelGrads:
     rank holds the full averaged gradient and steps every parameter (zero_stage 0).
 
     Parameters whose id is in `full_reduce` get buckets of their own that are always
-    all-reduced. Subclasses (zero.py) change the padding, the collective and the ownership.
+    all-reduced. Subclasses (zero.py, zero3.py) change the padding, the collective and the
+    ownership.
     """
 
     zero_stage = 0
@@ -249,10 +251,6 @@ class DataParallelGrads:
                 grad = grads[start - g0 : end - g0]
                 out.append(OwnedPiece(p, start - off, end - off, value, grad))
         return out
-
-    def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
-        """(param, start, end) flat element ranges this rank steps."""
-        return [(pc.param, pc.start, pc.end) for pc in self.owned_pieces()]
 
     def owned_grads(self) -> list[torch.Tensor]:
         """The flat gradient views this rank steps: one per bucket (what clipping scales)."""

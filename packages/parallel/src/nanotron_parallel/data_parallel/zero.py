@@ -1,6 +1,6 @@
 """ZeRO-1 and ZeRO-2: optimizer state (and, at 2, gradients) sharded over the data-parallel ranks.
 
-The flat gradient buffer of every bucket (see data_parallel.py) is padded to a multiple of dp
+The flat gradient buffer of every bucket (see buckets.py) is padded to a multiple of dp
 and cut into dp equal chunks; dp rank r owns chunk r of every bucket. It steps only the
 parameter elements in its chunks (`owned_pieces`), then `gather_params` rebuilds every full
 parameter from the owners. Elementwise optimizers (Adam) therefore give exactly the results of
@@ -12,8 +12,8 @@ with one all-gather into the flat buffer; otherwise all-reduce and a list all-ga
 gloo runs faster. Tied buckets are always all-reduced (they are summed across stages after).
 
 ZeRO-2 (`ZeroTwoGrads`) keeps only the reduced chunk of the gradients between steps (see its
-docstring); ZeRO-3 is zero3.py. `build_data_parallel(zero_stage, ...)` is the one place a zero
-stage picks its class.
+docstring); ZeRO-3 is zero3.py. `build_data_parallel(zero_stage, ...)` (this package's
+`__init__`) is the one place a zero stage picks its class.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from nanotron_parallel.data_parallel import Bucket, DataParallelGrads
+from nanotron_parallel.data_parallel.buckets import Bucket, DataParallelGrads
 from nanotron_parallel.phase_timer import comm_span
 from nanotron_parallel.tensor_parallel.functional import _all_gather_tensor, _reduce_scatter_tensor
 
@@ -156,36 +156,3 @@ class ZeroTwoGrads(ZeroOneGrads):
 
     def local_grads(self, param: nn.Parameter) -> list[torch.Tensor]:
         return [pc.grad for pc in self.owned_pieces() if pc.param is param]
-
-
-def build_data_parallel(
-    zero_stage: int,
-    params: list[nn.Parameter],
-    dp_group: dist.ProcessGroup | None,
-    dp_size: int,
-    dp_rank: int,
-    blocks: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-    **kwargs,
-) -> DataParallelGrads:
-    """The data-parallel object of `zero_stage`, sharded over `dp_group` (whatever group it is:
-    the data-parallel one, or data x context parallel). With dp = 1 a ZeRO stage changes
-    nothing, so zero_stage 0 is used. `blocks`: the modules the stage calls, in forward order,
-    each with the parameters it reads (ZeRO-3 gathers those around its forward and backward). kwargs: grad_dtype,
-    bucket_cap_mb, full_reduce, tensor_collectives."""
-    from nanotron_parallel.zero3 import ZeroThreeGrads
-
-    by_stage: dict[int, type[DataParallelGrads]] = {
-        0: DataParallelGrads,
-        1: ZeroOneGrads,
-        2: ZeroTwoGrads,
-        3: ZeroThreeGrads,
-    }
-    if zero_stage not in by_stage:
-        raise ValueError(f"optimizer.zero_stage={zero_stage} is not supported: {sorted(by_stage)}")
-    if dp_size == 1:
-        zero_stage = 0
-    if zero_stage == 3:
-        if blocks is None:
-            raise ValueError("ZeRO-3 needs the stage's blocks (build_data_parallel(blocks=...))")
-        return ZeroThreeGrads(params, dp_group, dp_size, dp_rank, blocks=blocks, **kwargs)
-    return by_stage[zero_stage](params, dp_group, dp_size, dp_rank, **kwargs)
