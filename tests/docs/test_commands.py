@@ -52,7 +52,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
 # configs/ (the repository's), corpus/ (text), corpus-py/ (Python files), tok/ (BPE, 8192),
 # nanoset/ and nanoset-valid/ (tokenized with tok), checkpoints/ (configs/tiny-llama-cpu.yaml
 # on nanoset, 2 steps), run.yaml (that config at dp=2 x pp=2, 4 processes), prompts.txt,
-# .cache/data/corpus/{tokenizer,nanoset} (the quickstart's data, vocabulary 4096).
+# .cache/data/corpus/{tokenizer,nanoset} (the quickstart's data, vocabulary 4096). A folder that
+# a block writes itself (`--out DIR`) is removed from the page's copy before the block runs.
 
 # --- commands not run here, each with its reason (regex on the command) -----------------------
 EXCLUDED: list[tuple[str, str]] = [
@@ -103,9 +104,12 @@ def excluded(cmd: str) -> str | None:
     return next((why for pattern, why in EXCLUDED if re.search(pattern, cmd)), None)
 
 
-def substituted(cmd: str, ports: dict[str, int]) -> str:
-    for pattern, replacement, _ in SUBSTITUTIONS:
-        cmd = re.sub(pattern, replacement, cmd)
+def substituted(cmd: str, ports: dict[str, int], literal: bool = False) -> str:
+    """`literal`: a command whose shown output must match (the step-count rows do not apply:
+    an added --override would change that output)."""
+    for pattern, replacement, why in SUBSTITUTIONS:
+        if not (literal and "steps" in why):
+            cmd = re.sub(pattern, replacement, cmd)
     return cmd.replace(PORT, str(ports["port"])).replace("{rdzv}", str(ports["rdzv"]))
 
 
@@ -134,7 +138,7 @@ def block_script(block: Block, ports: dict[str, int]) -> tuple[str, list[tuple[s
     for cmd, expected in commands(block):
         if excluded(cmd):
             continue
-        real = substituted(cmd, ports)
+        real = substituted(cmd, ports, literal=bool(expected))
         is_server = re.search(r"(^|\s)nanotron-dashboard(?! delete-run)\s", real + " ")
         if is_server and not real.endswith("&"):
             real = f"serve_check {shlex_quote(real)} {ports['port']}"
@@ -153,6 +157,9 @@ def check_block(block: Block, cwd: Path, env: dict[str, str]) -> None:
     script, ran = block_script(block, ports)
     if not ran:
         return
+    for real, _ in ran:  # what the block writes itself is not the prepared copy
+        for out in re.findall(r"--out (\S+)", real):
+            shutil.rmtree(cwd / out, ignore_errors=True)
     proc = subprocess.run(
         ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
