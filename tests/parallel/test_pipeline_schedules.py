@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanotron_parallel.pipeline.schedules import PipelineScheduleError, run_pipeline_step
+from nanotron_parallel.pipeline import PipelineScheduleError, run_pipeline_step
 
 WIDTH = 6
 

@@ -15,7 +15,7 @@ from nanotron_models.config import DTYPES
 from nanotron_models.flops import llama_block_costs, llama_block_names
 from nanotron_models.model import LlamaStage, build_llama_stage
 from nanotron_parallel.context import ParallelContext
-from nanotron_parallel.pipeline import stage_block_names
+from nanotron_parallel.pipeline import engine, stage_block_names
 from nanotron_train.config.schema import Config
 
 
@@ -53,9 +53,10 @@ def build_model(
 
 
 def build_stage_chunks(cfg: Config, pc: ParallelContext) -> list[LlamaStage]:
-    """This rank's chunks: one stage, or for interleaved-1f1b v chunks, chunk c being virtual
-    stage c * pp + pp_rank of pp * v (blocks placed over all of them by cost)."""
-    if cfg.parallelism.pp_engine != "interleaved-1f1b":
+    """This rank's chunks: one stage, or for an engine with virtual stages (interleaved-1f1b)
+    v chunks, chunk c being virtual stage c * pp + pp_rank of pp * v (blocks placed over all
+    of them by cost)."""
+    if not engine(cfg.parallelism.pp_engine).uses_virtual_stages:
         return [build_model(cfg, pc)]
     v, pp = cfg.parallelism.pp_virtual_stages, pc.pp_size
     return [build_model(cfg, pc, c * pp + pc.pp_rank, pp * v) for c in range(v)]

@@ -1,6 +1,13 @@
-"""Pipeline parallelism: stage placement, p2p transfers, the AFAB / 1F1B schedules and the
-forward-only one of evaluation."""
+"""Pipeline parallelism: stage placement, p2p transfers, and the engines (AFAB, 1F1B,
+interleaved 1F1B; each a training step and a forward-only step) found by name in engines.py."""
 
+from nanotron_parallel.pipeline.engines import (
+    ENGINES,
+    PipelineEngine,
+    engine,
+    run_forward_only,
+    run_pipeline_step,
+)
 from nanotron_parallel.pipeline.p2p import (
     P2PError,
     StageComm,
@@ -17,14 +24,11 @@ from nanotron_parallel.pipeline.partition import (
 )
 from nanotron_parallel.pipeline.recorder import NO_RECORDER, TimelineRecorder
 from nanotron_parallel.pipeline.schedules import (
-    ENGINES,
     PipelineScheduleError,
     PipelineStats,
     PipelineStepResult,
     forward_only,
     loss_on_all_pp_ranks,
-    run_forward_only,
-    run_pipeline_step,
     train_step_1f1b,
     train_step_afab,
 )
@@ -34,12 +38,14 @@ __all__ = [
     "NO_RECORDER",
     "P2PError",
     "PipelineConfigError",
+    "PipelineEngine",
     "PipelineScheduleError",
     "PipelineStats",
     "PipelineStepResult",
     "StageComm",
     "TensorMeta",
     "TimelineRecorder",
+    "engine",
     "exchange",
     "forward_only",
     "loss_on_all_pp_ranks",

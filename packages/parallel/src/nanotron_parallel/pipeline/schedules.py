@@ -5,6 +5,7 @@ previous stage (None on the first stage) and `batch` the micro-batch dict; the l
 returns the scalar mean loss of its micro-batch. Each micro-batch loss is divided by the
 number of micro-batches m before its backward, so one step's gradients equal those of the mean
 loss over the m micro-batches. With pp = 1 both schedules are plain gradient accumulation.
+Both are engines of engines.py, which is how callers run them by name.
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from nanotron_parallel.pipeline.interleaved import (
-    forward_only_interleaved,
-    train_step_interleaved_1f1b,
-)
 from nanotron_parallel.pipeline.p2p import StageComm, agreed_shapes
 from nanotron_parallel.pipeline.recorder import NO_RECORDER, TimelineRecorder
 from nanotron_parallel.pipeline.step import (
@@ -38,13 +35,12 @@ if TYPE_CHECKING:
     from nanotron_parallel.context import ParallelContext
 
 __all__ = [
-    "ENGINES",
     "MicroBatch",
     "PipelineScheduleError",
     "PipelineStats",
     "PipelineStepResult",
+    "forward_only",
     "loss_on_all_pp_ranks",
-    "run_pipeline_step",
     "train_step_1f1b",
     "train_step_afab",
 ]
@@ -215,54 +211,6 @@ def forward_only(
             else:
                 comm.send_forward(y, keys[i])
     return total
-
-
-def run_forward_only(
-    engine: str,
-    stage: nn.Module,
-    micro_batches: Sequence[MicroBatch],
-    pc: ParallelContext,
-    weights: Sequence[float],
-) -> torch.Tensor | None:
-    """The forward-only twin of `run_pipeline_step`: the model layout of `engine`, no grads."""
-    if engine == "interleaved-1f1b":
-        return forward_only_interleaved(stage, micro_batches, pc, weights)
-    return forward_only(stage, micro_batches, pc, weights)
-
-
-ENGINES: dict[str, Callable[..., PipelineStepResult]] = {
-    "afab": train_step_afab,
-    "1f1b": train_step_1f1b,
-    "interleaved-1f1b": train_step_interleaved_1f1b,  # v chunks per rank: its own module
-}
-
-
-def run_pipeline_step(
-    engine: str,
-    stage: nn.Module,
-    micro_batches: Sequence[MicroBatch],
-    pc: ParallelContext,
-    *,
-    on_last_backward: Callable[[], None] | None = None,
-    track_activations: bool = False,
-    recorder=NO_RECORDER,
-) -> PipelineStepResult:
-    """Run one training step's forwards and backwards with the named engine.
-    `track_activations` measures the saved-activation bytes (hooks on every forward);
-    `recorder` (a TimelineRecorder, for the one step it records) times each forward and
-    backward per micro-batch and chunk (pipeline/recorder.py)."""
-    if engine not in ENGINES:
-        raise PipelineScheduleError(
-            f"parallelism.pp_engine must be one of {sorted(ENGINES)}, got {engine!r}"
-        )
-    return ENGINES[engine](
-        stage,
-        micro_batches,
-        pc,
-        on_last_backward=on_last_backward,
-        track_activations=track_activations,
-        recorder=recorder,
-    )
 
 
 def loss_on_all_pp_ranks(loss: torch.Tensor | float | None, pc: ParallelContext) -> torch.Tensor:

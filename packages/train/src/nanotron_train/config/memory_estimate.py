@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from nanotron_models.config import DTYPES
 from nanotron_models.flops import num_parameters
+from nanotron_parallel.pipeline import engine
 
 GIB = 2**30
 MEMINFO = "/proc/meminfo"
@@ -97,9 +98,7 @@ def _activation_elements_per_token(cfg) -> tuple[int, int]:
 
 def _in_flight(cfg) -> int:
     par, m = cfg.parallelism, cfg.tokens.batch_accumulation_per_replica
-    if par.pp_engine == "afab":
-        return m
-    return min(m, par.pp if par.pp_engine == "1f1b" else 2 * par.pp)
+    return engine(par.pp_engine).in_flight(m, par.pp)
 
 
 def estimate(cfg) -> MemoryEstimate:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron_parallel.phase_timer import NO_SPAN, PhaseTimer, activate, deactivate
-from nanotron_parallel.pipeline import NO_RECORDER, TimelineRecorder
+from nanotron_parallel.pipeline import NO_RECORDER, TimelineRecorder, engine
 from nanotron_train.fault.errors import NonFiniteStop
 from nanotron_train.telemetry import rank_stats, timeline
 from nanotron_train.telemetry.events import EventReporter, ThroughputWatch, record_events
@@ -39,7 +39,7 @@ class Telemetry:
         self.stragglers = StragglerDetector(lg.straggler_margin, lg.straggler_intervals)
         self.timeline_interval = lg.pipeline_timeline_interval if pc.pp_size > 1 else 0
         self.engine = par.pp_engine
-        self.chunks = par.pp_virtual_stages if par.pp_engine == "interleaved-1f1b" else 1
+        self.chunks = engine(par.pp_engine).chunks(par.pp_virtual_stages)
         self.micro_batches = cfg.tokens.batch_accumulation_per_replica
         self._recorder: TimelineRecorder | None = None
         self.events = EventReporter(pc.rank, logger_of)

@@ -1,0 +1,121 @@
+"""The pipeline engines by name: the one table every caller reads instead of comparing names.
+
+An engine is its training step, its forward-only step (evaluation), whether it runs several
+model chunks per rank (`parallelism.pp_virtual_stages`), how many micro-batches a stage keeps
+alive at most (the memory estimate), the span kinds its timeline records, and the facts config
+checks need. A new schedule is one module with its two steps plus one row in `ENGINES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from nanotron_parallel.pipeline.interleaved import (
+    forward_only_interleaved,
+    train_step_interleaved_1f1b,
+)
+from nanotron_parallel.pipeline.recorder import NO_RECORDER
+from nanotron_parallel.pipeline.schedules import forward_only, train_step_1f1b, train_step_afab
+from nanotron_parallel.pipeline.step import MicroBatch, PipelineScheduleError, PipelineStepResult
+
+if TYPE_CHECKING:
+    from nanotron_parallel.context import ParallelContext
+
+
+@dataclass(frozen=True)
+class PipelineEngine:
+    """One schedule.
+
+    `uses_virtual_stages`: a rank holds `pp_virtual_stages` chunks (else exactly one, and
+    `pp_virtual_stages` must be 1); `in_flight(m, pp)`: the most micro-batches a stage holds
+    activations for; `micro_batches_multiple_of_pp`: a step needs m divisible by pp;
+    `gathers_in_stage_order`: a stage's forward calls its blocks in order (ZeRO-3 prefetches
+    the next block on that assumption); `span_kinds`: what its timeline spans are called.
+    """
+
+    name: str
+    train_step: Callable[..., PipelineStepResult]
+    forward_only: Callable[..., torch.Tensor | None]
+    in_flight: Callable[[int, int], int]
+    uses_virtual_stages: bool = False
+    micro_batches_multiple_of_pp: bool = False
+    gathers_in_stage_order: bool = True
+    span_kinds: tuple[str, ...] = ("forward", "backward")
+
+    def chunks(self, virtual_stages: int) -> int:
+        """Model chunks per rank for `parallelism.pp_virtual_stages` = virtual_stages."""
+        return virtual_stages if self.uses_virtual_stages else 1
+
+
+ENGINES: dict[str, PipelineEngine] = {
+    "afab": PipelineEngine(
+        "afab",
+        train_step_afab,
+        forward_only,
+        in_flight=lambda m, pp: m,  # every forward before the first backward
+    ),
+    "1f1b": PipelineEngine(
+        "1f1b",
+        train_step_1f1b,
+        forward_only,
+        in_flight=lambda m, pp: min(m, pp),  # the first stage's warm-up, plus one
+    ),
+    "interleaved-1f1b": PipelineEngine(
+        "interleaved-1f1b",
+        train_step_interleaved_1f1b,
+        forward_only_interleaved,
+        in_flight=lambda m, pp: min(m, 2 * pp),  # a longer warm-up, over v chunks
+        uses_virtual_stages=True,
+        micro_batches_multiple_of_pp=True,
+        gathers_in_stage_order=False,
+    ),
+}
+
+
+def engine(name: str) -> PipelineEngine:
+    """The engine called `name`; an unknown one is an error naming the config key."""
+    if name not in ENGINES:
+        raise PipelineScheduleError(
+            f"parallelism.pp_engine must be one of {sorted(ENGINES)}, got {name!r}"
+        )
+    return ENGINES[name]
+
+
+def run_pipeline_step(
+    engine_name: str,
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    *,
+    on_last_backward: Callable[[], None] | None = None,
+    track_activations: bool = False,
+    recorder=NO_RECORDER,
+) -> PipelineStepResult:
+    """Run one training step's forwards and backwards with the named engine.
+    `track_activations` measures the saved-activation bytes (hooks on every forward);
+    `recorder` (a TimelineRecorder, for the one step it records) times each forward and
+    backward per micro-batch and chunk (pipeline/recorder.py)."""
+    return engine(engine_name).train_step(
+        stage,
+        micro_batches,
+        pc,
+        on_last_backward=on_last_backward,
+        track_activations=track_activations,
+        recorder=recorder,
+    )
+
+
+def run_forward_only(
+    engine_name: str,
+    stage: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    pc: ParallelContext,
+    weights: Sequence[float],
+) -> torch.Tensor | None:
+    """The forward-only twin of `run_pipeline_step`: the model layout of the engine, no grads."""
+    return engine(engine_name).forward_only(stage, micro_batches, pc, weights)
