@@ -20,7 +20,7 @@ def seed(d, run_id: str, tmp: Path, steps: int = 300) -> None:
             "run_id": run_id,
             "project": "proj",
             "name": "<img src=x onerror=alert(1)>",
-            "config": {"note": "<script>x</script>"},
+            "config": {"note": "<script>x</script>", "tokens": {"train_steps": steps}},
             "command": [sys.executable, "-c", "print(1)"],
             "cwd": str(tmp),
             "checkpoints_path": str(tmp / "ck"),
@@ -120,6 +120,11 @@ def test_run_list_and_run_page(browser, live_dashboard, tmp_path):
     # copy the resume command
     ck_row = page.locator('#checkpoints tr[data-step="300"]')
     ck_row.wait_for(timeout=5_000)
+    # the final checkpoint says that resuming it alone trains nothing, and how to train on
+    assert ck_row.locator(".final-checkpoint").inner_text() == (
+        "tokens.train_steps (300) is reached here: add --override tokens.train_steps=N "
+        "(N > 300) to train on"
+    )
     ck_row.locator("button.copy").click()
     page.wait_for_function("() => document.querySelector('button.copy').textContent === 'copied'")
     copied = page.evaluate("() => navigator.clipboard.readText()")

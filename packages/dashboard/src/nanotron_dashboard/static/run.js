@@ -242,9 +242,12 @@
   }
 
   async function loadCheckpoints() {
-    // POST: stores checkpoints found on disk so that they can be resumed (a GET never writes)
+    // POST: stores checkpoints found on disk so that they can be resumed (a GET never writes);
+    // only a page given the CSRF token may write: an anonymous visitor of a server with
+    // credentials reads the list
     const base = "/api/runs/" + encodeURIComponent(runId) + "/checkpoints";
-    const cks = await NT.json(base + "/scan", { method: "POST" }).catch(() => NT.json(base));
+    const cks = state.session && state.session.csrf
+      ? await NT.json(base + "/scan", { method: "POST" }).catch(() => NT.json(base)) : await NT.json(base);
     $("checkpoints").querySelector("tbody").replaceChildren(...cks.map((ck) => {
       const copyBtn = NT.el("button", { class: "copy" }, "copy");
       copyBtn.addEventListener("click", () => copy(ck.resume_shell || ck.resume_command || "", copyBtn));
@@ -254,10 +257,16 @@
         b.addEventListener("click", () => resume(ck, b));
         actions.append(" ", b);
       }
-      const size = ck.size == null ? "" : (ck.size / 1e6).toFixed(1) + " MB";
+      // binary units, as the trainer's listing prints them
+      const size = ck.size == null ? "" : (ck.size / 1048576).toFixed(1) + " MiB";
+      const command = NT.el("td", {}, NT.el("code", { class: "cmd" }, ck.resume_command || "(no command recorded)"));
+      const steps = state.run && state.run.config && state.run.config.tokens ? state.run.config.tokens.train_steps : null;
+      if (steps != null && ck.step >= steps) {  // resuming it alone trains nothing
+        command.append(NT.el("div", { class: "note final-checkpoint" },
+          "tokens.train_steps (" + steps + ") is reached here: add --override tokens.train_steps=N (N > " + steps + ") to train on"));
+      }
       return NT.el("tr", { "data-step": ck.step }, NT.el("td", {}, ck.step), NT.el("td", {}, ck.consumed_tokens ?? ""),
-        NT.el("td", {}, size), NT.el("td", {}, ck.complete ? "yes" : "no"),
-        NT.el("td", {}, NT.el("code", { class: "cmd" }, ck.resume_command || "(no command recorded)")), actions);
+        NT.el("td", {}, size), NT.el("td", {}, ck.complete ? "yes" : "no"), command, actions);
     }));
   }
 
