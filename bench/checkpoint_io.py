@@ -67,7 +67,7 @@ def plain_read(path: Path, size: int) -> float:
 
 def build(hidden: int, layers: int, root: Path):
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     raw = {

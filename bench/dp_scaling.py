@@ -47,7 +47,7 @@ def bench_config(dp: int, steps: int) -> dict:
 
 def measure(dp: int, steps: int, warmup: int) -> float:
     """Runs on every rank: global tokens/s over the steps after warm-up."""
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import train
 
     torch.set_num_threads(1)

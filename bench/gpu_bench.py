@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def gpu_config(attn: str, recompute: bool, steps: int) -> object:
-    from nanotron_train.config.schema import load_config
+    from nanotron_train.config import load_config
 
     return load_config(
         os.path.join(ROOT, "configs", "llama-1b-gpu.yaml"),
@@ -94,7 +94,7 @@ def tp_bytes_rank(layers: int, hidden: int, seq: int, mbs: int, m: int) -> dict:
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)

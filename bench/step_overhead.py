@@ -48,7 +48,7 @@ def bench_config(dp: int, args) -> dict:
 def _ours(dp: int, args) -> tuple[list[float], list[float]]:
     import nanotron_train.trainer as trainer_mod
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
 
     pc = ParallelContext(dp=dp)
     cfg = config_from_dict(bench_config(dp, args), "bench", world_size=None)
@@ -88,7 +88,7 @@ def _plain(dp: int, args) -> tuple[list[float], list[float]]:
 
     from nanotron_models.model import build_llama
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.data.source import build_data
     from nanotron_train.model_factory import padded_model_config
 

@@ -64,7 +64,7 @@ def main() -> None:
     args = p.parse_args()
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     if not torch.cuda.is_available():

@@ -63,7 +63,7 @@ def measure(dp: int, args) -> list[dict]:
 
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.testing import shared_default_group
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -77,7 +77,7 @@ def _agent(node_rank: int, port: int, cwd: Path) -> subprocess.Popen:
 
 
 def _single_process_losses() -> list[float]:
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import train
 
     cfg = _config(dp=1, tp=1)

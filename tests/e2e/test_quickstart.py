@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_train.config.schema import load_config
+from nanotron_train.config import load_config
 from nanotron_train.quickstart import (
     CONFIG,
     DashboardFiles,

@@ -64,7 +64,7 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)

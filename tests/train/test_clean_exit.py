@@ -90,7 +90,7 @@ def test_a_failing_teardown_reports_the_run_failed(tmp_path, monkeypatch):
     import pytest
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import train
 
     ingest = FakeIngest()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_train.config.schema import ConfigError, load_config
+from nanotron_train.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny-llama-cpu.yaml")

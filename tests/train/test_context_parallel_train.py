@@ -35,7 +35,7 @@ def train_with_checkpoints(layout: dict, save_to: str | None, resume: str | None
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)

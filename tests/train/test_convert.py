@@ -59,7 +59,7 @@ def _hf_model(hf_dir: Path):
 
 
 def test_from_hf_then_generate_matches_transformers(hf_dir, tmp_path, capsys):
-    from nanotron_train.config.schema import load_config
+    from nanotron_train.config import load_config
     from nanotron_train.convert import main as convert_main
     from nanotron_train.generate import main as generate_main
 
@@ -112,7 +112,7 @@ def _finetune_config(ckpt: Path, tp: int) -> dict:
 
 
 def _resume_job(ckpt: str, tp: int) -> float:
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import train
 
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanotron_train.config.schema import ConfigError, config_from_dict
+from nanotron_train.config import ConfigError, config_from_dict
 from nanotron_train.data import Nanoset
 from nanotron_train.data.stages import DatasetSpec, StageSpec
 from nanotron_train.data.testing import make_id_nanoset

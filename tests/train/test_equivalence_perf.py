@@ -50,7 +50,7 @@ def run_perf_layouts(layouts: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -217,7 +217,7 @@ def test_recompute_lowers_saved_activations():
 
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.pipeline import run_pipeline_step
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.model_factory import build_stage_chunks
     from nanotron_train.parallelize import parallelize
 
@@ -274,7 +274,7 @@ def test_compile_trains_the_same_model(reference):
 
 
 def test_interleaved_config_errors():
-    from nanotron_train.config.schema import ConfigError, config_from_dict
+    from nanotron_train.config import ConfigError, config_from_dict
 
     raw = perf_config({"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b", "v": 2})
     raw["tokens"]["batch_accumulation_per_replica"] = 3
@@ -295,7 +295,7 @@ def _step_gradient(layout: dict) -> torch.Tensor:
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     cfg = config_from_dict(perf_config(layout), "test")

@@ -19,7 +19,7 @@ import yaml
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.testing import shared_default_group
 from nanotron_train.checkpoints.files import read_verified
-from nanotron_train.config.schema import config_from_dict
+from nanotron_train.config import config_from_dict
 from nanotron_train.fault.errors import TrainingStopped
 from nanotron_train.fault.spikes import LossSpikeDetector
 from nanotron_train.trainer import Trainer

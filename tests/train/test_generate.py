@@ -54,7 +54,7 @@ def _config(root: Path, tok: Path, nanoset: Path) -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     """Train, generate at tp=1 (command, JSON out) and export to HF; shared by the tests."""
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.convert import main as convert_main
     from nanotron_train.data import tokenize_to_nanoset
     from nanotron_train.data.testing import make_tokenizer, tiny_texts

@@ -155,7 +155,9 @@ def test_the_cycle_finder_sees_direct_indirect_and_type_only_cycles(tmp_path: Pa
     pkg = tmp_path / "demo"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from demo.b import B\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from demo.b import B\n"
+    )
     (pkg / "b.py").write_text("def f():\n    from . import c\n")
     (pkg / "c.py").write_text("import demo.a\n")
     (pkg / "d.py").write_text("from demo import a\n")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nanotron_train.config import config_from_dict, load_config
 from nanotron_train.config.memory_estimate import GIB, estimate, memory_error
-from nanotron_train.config.schema import config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-llama-cpu.yaml"
@@ -63,7 +63,7 @@ def test_configs_of_the_suite_fit_far_below():
 MEASURE = r"""
 import io, json, sys, torch
 from nanotron_parallel.context import ParallelContext
-from nanotron_train.config.schema import config_from_dict
+from nanotron_train.config import config_from_dict
 from nanotron_train.config.memory_estimate import estimate
 from nanotron_train.trainer import Trainer
 

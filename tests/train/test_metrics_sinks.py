@@ -302,7 +302,7 @@ class RecordingClient:
 
 
 def test_failing_training_reports_run_end_failed(tmp_path, monkeypatch):
-    from nanotron_train.config.schema import load_config
+    from nanotron_train.config import load_config
     from nanotron_train.trainer import Trainer, train
     from tests.train.test_cli import small_config, write
 

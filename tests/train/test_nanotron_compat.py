@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from nanotron_parallel.testing import shared_default_group
-from nanotron_train.config.schema import Config, ConfigError, config_from_dict, expand_run_name
+from nanotron_train.config import Config, ConfigError, config_from_dict, expand_run_name
 
 HERE = Path(__file__).parent / "nanotron"
 REPO = Path(__file__).resolve().parents[2]

@@ -200,7 +200,7 @@ def test_from_nanotron_imports_weights_step_and_config(tmp_path):
     from nanotron_models import LlamaConfig, build_llama
     from nanotron_models.model import full_state_dict
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict, load_config
+    from nanotron_train.config import config_from_dict, load_config
     from nanotron_train.convert import main as convert_main
     from nanotron_train.inference.model_io import full_model_tensors, open_checkpoint
     from nanotron_train.trainer import train

@@ -24,7 +24,7 @@ MAX_NEW, STEPS = 6, 4
 
 def _run(raw: dict) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
     from nanotron_parallel.context import ParallelContext
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     par = raw["parallelism"]

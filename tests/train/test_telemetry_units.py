@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from nanotron_parallel.testing import run_distributed, shared_default_group
-from nanotron_train.config.loader import ConfigError
-from nanotron_train.config.schema import config_from_dict
+from nanotron_train.config import ConfigError, config_from_dict
 from nanotron_train.reporting.dashboard_client import DashboardClient
 from nanotron_train.telemetry.events import ThroughputWatch
 from nanotron_train.telemetry.samples import MAX_SAMPLES_JSON_BYTES, fit_samples

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from nanotron_train.config import ConfigError, load_config, save_config
 from nanotron_train.config.loader import apply_override
-from nanotron_train.config.schema import ConfigError, load_config, save_config
 from nanotron_train.data.synthetic import SyntheticData
 from nanotron_train.init_config import main as init_main
 from nanotron_train.lr_schedule import LRSchedule
@@ -63,7 +63,7 @@ def test_presets_are_the_shipped_configs():
     """`init_config --preset X` writes the config that configs/ ships for X."""
     from pathlib import Path
 
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.init_config import PRESETS
 
     root = Path(__file__).resolve().parents[2] / "configs"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanotron_train.config.schema import ConfigError, config_from_dict
+from nanotron_train.config import ConfigError, config_from_dict
 from nanotron_train.data import DataError, Nanoset
 from nanotron_train.data.nanoset import NanosetWriter
 from nanotron_train.data.split import split_by_documents

@@ -47,7 +47,7 @@ def run_zero_jobs(jobs: list[dict]) -> list[dict]:
 
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.pipeline import run_pipeline_step
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config import config_from_dict
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -221,7 +221,7 @@ def test_sharded_bytes_match_the_formula(runs):
 
 
 def test_zero_stage_config_checks():
-    from nanotron_train.config.schema import ConfigError, config_from_dict
+    from nanotron_train.config import ConfigError, config_from_dict
 
     def error(**changes) -> str:
         raw = zero_config({"layout": {"dp": 2, "tp": 1, "pp": 1, "zero": 3}})

@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "Config": "nanotron_train.config.schema",
-    "ConfigError": "nanotron_train.config.schema",
-    "config_from_dict": "nanotron_train.config.schema",
-    "load_config": "nanotron_train.config.schema",
+    "Config": "nanotron_train.config",
+    "ConfigError": "nanotron_train.config",
+    "config_from_dict": "nanotron_train.config",
+    "load_config": "nanotron_train.config",
     "train": "nanotron_train.trainer",
 }
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from nanotron_train.config.schema import load_config
+from nanotron_train.config.load import load_config
 from nanotron_train.config.training_inputs import prepare_for_training
 from nanotron_train.fault.errors import TrainingStopped
 from nanotron_train.fault.launcher import watch_launcher

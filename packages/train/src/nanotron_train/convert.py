@@ -104,7 +104,7 @@ def _write_tokenizer(tok, dst: Path, config) -> None:
 
 def _derived_config(hf: dict, model_config, dtype: str, tokenizer: str | None, out: Path):
     """A sensible fine-tuning config for an imported model (edit data_stages before use)."""
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config.load import config_from_dict
 
     seq = min(2048, model_config.max_position_embeddings)
     raw = {
@@ -178,7 +178,7 @@ def from_hf(
     """Import a Hugging Face Llama folder as `<out>/<step>/`; returns the step folder."""
     from nanotron_models.hf import config_from_hf, hf_state_dict_to_ours_full
     from nanotron_train.checkpoints import CheckpointError
-    from nanotron_train.config.schema import load_config
+    from nanotron_train.config.load import load_config
 
     hf_dir, out = Path(hf_path), Path(out)
     if step < 0:
@@ -246,7 +246,7 @@ def save_imported(
 def from_nanotron(nanotron_path: str | Path, out: str | Path) -> Path:
     """Import a Nanotron checkpoint (weights, step, config) as `<out>/<step>/`."""
     from nanotron_train.checkpoints import CheckpointError
-    from nanotron_train.config.schema import config_from_dict
+    from nanotron_train.config.load import config_from_dict
     from nanotron_train.interop import nanotron_checkpoint as nt
 
     folder, out = nt.resolve(nanotron_path), Path(out)

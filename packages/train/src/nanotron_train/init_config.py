@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import Any
 
-from nanotron_train.config.schema import ConfigError, config_from_dict, save_config
+from nanotron_train.config.errors import ConfigError
+from nanotron_train.config.load import config_from_dict, save_config
 
 
 def _base(

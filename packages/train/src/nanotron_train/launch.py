@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from nanotron_train.config.schema import load_config
+    from nanotron_train.config.load import load_config
     from nanotron_train.config.training_inputs import prepare_for_training
 
     ours = argparse.ArgumentParser(add_help=False)

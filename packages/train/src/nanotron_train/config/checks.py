@@ -1,26 +1,27 @@
-"""The checks a typed config must pass, as one table.
+"""The checks a typed config must pass, as tables of rows (rules.py).
 
-Each row names the key its error is about, a predicate on the config, and the message. Rows
-read top to bottom in the order of Nanotron's sections; `validate` stops at the first failure
-(a ConfigError naming the key and the file). Rows of `STAGE_CHECKS` run once per data stage,
-with `{i}` in their key replaced by the stage index. The two refusal helpers are for whole
-Nanotron features this project does not have: their message says which feature.
+Each row names the key its error is about, a predicate on the config, and the message. `validate`
+runs the tables in order: single values (values.py), the rows below in the order of Nanotron's
+sections, `STAGE_CHECKS` once per data stage (`{i}` in their key is the stage index), then the
+tables of context parallel, memory-and-speed, fault tolerance, validation and telemetry. It stops
+at the first failure (a ConfigError naming the key and the file). The refusal rows are for
+whole Nanotron features this project does not have: their message says which feature.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nanotron_models.config import ModelConfigError
-from nanotron_train.config.context_parallel import validate_context_parallel
-from nanotron_train.config.fault import validate_fault
-from nanotron_train.config.loader import ConfigError
-from nanotron_train.config.perf import validate_perf
-from nanotron_train.config.rules import Check, at_least, below_one, positive, refused
-from nanotron_train.config.telemetry import validate_telemetry
-from nanotron_train.config.validation import validate_validation
-from nanotron_train.config.values import validate_values
+from nanotron_parallel.pipeline import ENGINES
+from nanotron_train.config.context_parallel import CONTEXT_PARALLEL_CHECKS
+from nanotron_train.config.fault import FAULT_CHECKS
+from nanotron_train.config.perf import PERF_CHECKS
+from nanotron_train.config.rules import Check, at_least, below_one, positive, refused, run_checks
+from nanotron_train.config.telemetry import TELEMETRY_CHECKS
+from nanotron_train.config.validation import VALIDATION_CHECKS
+from nanotron_train.config.values import VALUE_CHECKS
 from nanotron_train.data.stages import HF_ONLY, NANOSET_ONLY, DatasetSpec
 
 if TYPE_CHECKING:
@@ -33,6 +34,12 @@ def _model_config_error(cfg: Config) -> str | None:
     except ModelConfigError as exc:
         return str(exc)
     return None
+
+
+def _model_key(cfg: Config) -> str:
+    """The model package's message starts with the field: name it as the key."""
+    field = _model_config_error(cfg).split(" ", 1)[0].rstrip(":")
+    return "model." + field if field.startswith("model_config") else "model"
 
 
 def _regex_error(patterns: list[str] | None) -> str | None:
@@ -90,7 +97,7 @@ CHECKS: tuple[Check, ...] = (
         "requires parallelism.tp_mode: REDUCE_SCATTER (as in Nanotron)",
     ),
     # model
-    Check("model", lambda c: _model_config_error(c) is None, _model_config_error),
+    Check(_model_key, lambda c: _model_config_error(c) is None, _model_config_error),
     Check(
         "parallelism.pp",
         lambda c: c.parallelism.pp <= c.model.model_config.num_hidden_layers,
@@ -144,7 +151,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "optimizer.zero_stage",
         lambda c: (
-            not (c.optimizer.zero_stage == 3 and c.parallelism.pp_engine == "interleaved-1f1b")
+            c.optimizer.zero_stage != 3 or ENGINES[c.parallelism.pp_engine].gathers_in_stage_order
         ),
         "3 with pp_engine interleaved-1f1b: ZeRO-3 prefetches blocks in one stage's forward "
         "order, which the interleaved engine does not follow; use afab or 1f1b",
@@ -349,41 +356,33 @@ STAGE_CHECKS: tuple[Check, ...] = (
 )
 
 
-def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
-    """Run every check; the first failure is a ConfigError naming its key and `source`."""
-    par = cfg.parallelism
-    cp = par.context_parallel_size
-    if world_size is not None and par.dp * cp * par.tp * par.pp != world_size:
+def _world_size_check(world_size: int | None) -> Check:
+    """dp*cp*tp*pp must be the number of processes launched (when it is known)."""
+
+    def product(c: Config) -> int:
+        par = c.parallelism
+        return par.dp * par.context_parallel_size * par.tp * par.pp
+
+    def message(c: Config) -> str:
+        par = c.parallelism
+        cp = par.context_parallel_size
         names, values = (
             ("dp*cp*tp*pp", f"{par.dp}*{cp}*") if cp != 1 else ("dp*tp*pp", f"{par.dp}*")
         )
-        raise ConfigError(
-            "parallelism",
-            f"{names} = {values}{par.tp}*{par.pp} = {par.dp * cp * par.tp * par.pp} but the "
-            f"world size is {world_size}",
-            source,
+        return (
+            f"{names} = {values}{par.tp}*{par.pp} = {product(c)} but the world size is {world_size}"
         )
-    validate_values(cfg, source)  # finite numbers, 64-bit integers, seeds, path kinds
-    for check in CHECKS:
-        if not check.holds(cfg):
-            _fail(check, source, cfg)
+
+    return Check("parallelism", lambda c: world_size is None or product(c) == world_size, message)
+
+
+def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
+    """Run every table; the first failure is a ConfigError naming its key and `source`."""
+    run_checks((_world_size_check(world_size), *VALUE_CHECKS, *CHECKS), source, cfg)
     for i, stage in enumerate(cfg.data_stages):
-        for check in STAGE_CHECKS:
-            if not check.holds(cfg, stage):
-                _fail(check, source, cfg, stage, key=check.key.format(i=i))
-    validate_context_parallel(cfg, source)
-    validate_perf(cfg, source)
-    validate_fault(cfg, source)
-    validate_validation(cfg, source)
-    validate_telemetry(cfg, source)
+        run_checks(STAGE_CHECKS, source, cfg, stage, index=i)
+    for table in (
+        CONTEXT_PARALLEL_CHECKS, PERF_CHECKS, FAULT_CHECKS, VALIDATION_CHECKS, TELEMETRY_CHECKS
+    ):  # fmt: skip
+        run_checks(table, source, cfg)
     return cfg
-
-
-def _fail(check: Check, source: str, *args: Any, key: str | None = None) -> None:
-    message = check.message if isinstance(check.message, str) else check.message(*args)
-    key = key or check.key
-    if key == "model":  # the model package's message starts with the field: name it as the key
-        field = message.split(" ", 1)[0].rstrip(":")
-        if field.startswith("model_config"):
-            key = "model." + field
-    raise ConfigError(key, message, source)

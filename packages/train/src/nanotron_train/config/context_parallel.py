@@ -1,19 +1,18 @@
 """Checks for `parallelism.context_parallel_size` (cp): the combinations that cannot work.
 
 Context parallel cuts every sequence into 2*cp chunks (nanotron_parallel.context_parallel),
-and under REDUCE_SCATTER each rank's 2 chunks are cut again over tp. `validate` in
-config_checks.py calls `validate_context_parallel` after its own rows.
+and under REDUCE_SCATTER each rank's 2 chunks are cut again over tp. checks.py runs these rows
+after its own.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nanotron_train.config.loader import ConfigError
+from nanotron_train.config.rules import Check
 
 if TYPE_CHECKING:
     from nanotron_train.config.schema import Config
-
 KEY = "parallelism.context_parallel_size"
 
 
@@ -28,25 +27,29 @@ def _sequence_lengths(cfg: Config) -> list[tuple[str, int]]:
     return out
 
 
-def validate_context_parallel(cfg: Config, source: str) -> None:
+def _problem(cfg: Config) -> tuple[str, str] | None:
+    """(key, message) of the first sequence length cp (or cp and tp) cannot cut evenly."""
     par = cfg.parallelism
     cp = par.context_parallel_size
-    if cp < 1:
-        raise ConfigError(KEY, f"must be >= 1, got {cp}", source)
-    if cp == 1:
-        return
-    for key, length in _sequence_lengths(cfg):
+    for key, length in _sequence_lengths(cfg) if cp > 1 else ():
         if length % (2 * cp) != 0:
-            raise ConfigError(
-                key,
+            return key, (
                 f"{length} must be divisible by 2*context_parallel_size = {2 * cp} (context "
-                "parallel cuts every sequence into 2*cp equal chunks)",
-                source,
+                "parallel cuts every sequence into 2*cp equal chunks)"
             )
         if par.tp_mode == "REDUCE_SCATTER" and (length // cp) % par.tp != 0:
-            raise ConfigError(
-                key,
+            return key, (
                 f"{length} must be divisible by context_parallel_size * tp = {cp * par.tp} in "
-                f"REDUCE_SCATTER mode (each cp rank's {length // cp} tokens are split over tp)",
-                source,
+                f"REDUCE_SCATTER mode (each cp rank's {length // cp} tokens are split over tp)"
             )
+    return None
+
+
+CONTEXT_PARALLEL_CHECKS: tuple[Check, ...] = (
+    Check(
+        KEY,
+        lambda c: c.parallelism.context_parallel_size >= 1,
+        lambda c: f"must be >= 1, got {c.parallelism.context_parallel_size}",
+    ),
+    Check(lambda c: _problem(c)[0], lambda c: _problem(c) is None, lambda c: _problem(c)[1]),
+)

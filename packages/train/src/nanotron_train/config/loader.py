@@ -11,15 +11,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-
-class ConfigError(ValueError):
-    """A configuration a user wrote wrongly; the message names the key and the file."""
-
-    def __init__(self, key: str, message: str, source: str = "<config>") -> None:
-        self.key = key
-        self.source = source
-        self.detail = message
-        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+from nanotron_train.config.errors import ConfigError
 
 
 def _type_name(tp: Any) -> str:
@@ -31,10 +23,6 @@ def _type_name(tp: Any) -> str:
 def _value_repr(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def convert(value: Any, tp: Any, key: str, source: str) -> Any:

@@ -1,83 +1,70 @@
-"""Config pieces of the memory-and-speed features: the profiler section and their checks.
-
-Kept out of config.py so that file stays about Nanotron's core sections; `validate` there calls
-`validate_perf` here.
-"""
+"""Checks of the memory-and-speed keys: recompute, async TP, the interleaved engine, compile and
+the `profiler` section (schema.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanotron_train.config.loader import ConfigError
+from nanotron_train.config.rules import Check, at_least
 
 if TYPE_CHECKING:
     from nanotron_train.config.schema import Config
 
-PP_ENGINES = ("afab", "1f1b", "interleaved-1f1b")
+
+def _interleaved(cfg: Config) -> bool:
+    return cfg.parallelism.pp_engine == "interleaved-1f1b"
 
 
-@dataclass
-class ProfilerArgs:
-    """Nanotron's `profiler` section: torch.profiler over the steps chosen by the schedule
-    (skip `wait` steps, `warmup` steps traced but discarded, then `active` steps recorded,
-    `repeat` times; 0 = until the end)."""
-
-    profiler_export_path: str = "profiler"
-    wait: int = 1
-    warmup: int = 1
-    active: int = 1
-    repeat: int = 1
-    skip_first: int = 3  # Nanotron's defaults
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = True
-    export_chrome_trace: bool = False
+def _profiler_row(row: Check) -> Check:
+    """A row of the optional `profiler` section: it holds when the section is absent."""
+    return Check(row.key, lambda c: c.profiler is None or row.holds(c), row.message)
 
 
-def _check(cond: bool, key: str, message: str, source: str) -> None:
-    if not cond:
-        raise ConfigError(key, message, source)
-
-
-def validate_perf(cfg: Config, source: str) -> None:
-    """Checks for recompute, async TP, the interleaved engine, compile and the profiler."""
-    par, tok = cfg.parallelism, cfg.tokens
-    v = par.pp_virtual_stages
-    _check(v >= 1, "parallelism.pp_virtual_stages", f"must be >= 1, got {v}", source)
-    if par.pp_engine != "interleaved-1f1b":
-        _check(
-            v == 1,
-            "parallelism.pp_virtual_stages",
-            f"is {v} but only parallelism.pp_engine: interleaved-1f1b uses virtual stages",
-            source,
-        )
-    else:
-        m = tok.batch_accumulation_per_replica
-        _check(
-            m % par.pp == 0,
-            "tokens.batch_accumulation_per_replica",
-            f"the interleaved-1f1b engine needs the micro-batches per step ({m}) to be "
-            f"divisible by parallelism.pp={par.pp}",
-            source,
-        )
-        layers = cfg.model.model_config.num_hidden_layers
-        _check(
-            layers >= par.pp * v,
-            "parallelism.pp_virtual_stages",
-            f"pp * pp_virtual_stages = {par.pp} * {v} = {par.pp * v} virtual stages need at "
-            f"least as many decoder layers, but model.model_config.num_hidden_layers={layers}",
-            source,
-        )
-    prof = cfg.profiler
-    if prof is not None:
-        for name in ("wait", "warmup", "repeat", "skip_first"):
-            value = getattr(prof, name)
-            _check(value >= 0, f"profiler.{name}", f"must be >= 0, got {value}", source)
-        _check(prof.active >= 1, "profiler.active", f"must be >= 1, got {prof.active}", source)
-        _check(
-            bool(prof.profiler_export_path),
+PERF_CHECKS: tuple[Check, ...] = (
+    at_least("parallelism.pp_virtual_stages", 1),
+    Check(
+        "parallelism.pp_virtual_stages",
+        lambda c: _interleaved(c) or c.parallelism.pp_virtual_stages == 1,
+        lambda c: (
+            f"is {c.parallelism.pp_virtual_stages} but only parallelism.pp_engine: "
+            "interleaved-1f1b uses virtual stages"
+        ),
+    ),
+    Check(
+        "tokens.batch_accumulation_per_replica",
+        lambda c: (
+            not _interleaved(c) or c.tokens.batch_accumulation_per_replica % c.parallelism.pp == 0
+        ),
+        lambda c: (
+            "the interleaved-1f1b engine needs the micro-batches per step "
+            f"({c.tokens.batch_accumulation_per_replica}) to be divisible by "
+            f"parallelism.pp={c.parallelism.pp}"
+        ),
+    ),
+    Check(
+        "parallelism.pp_virtual_stages",
+        lambda c: (
+            not _interleaved(c)
+            or c.model.model_config.num_hidden_layers
+            >= c.parallelism.pp * c.parallelism.pp_virtual_stages
+        ),
+        lambda c: (
+            f"pp * pp_virtual_stages = {c.parallelism.pp} * {c.parallelism.pp_virtual_stages} = "
+            f"{c.parallelism.pp * c.parallelism.pp_virtual_stages} virtual stages need at least "
+            "as many decoder layers, but model.model_config.num_hidden_layers="
+            f"{c.model.model_config.num_hidden_layers}"
+        ),
+    ),
+    *(
+        _profiler_row(at_least(f"profiler.{name}", 0))
+        for name in ("wait", "warmup", "repeat", "skip_first")
+    ),
+    _profiler_row(at_least("profiler.active", 1)),
+    _profiler_row(
+        Check(
             "profiler.profiler_export_path",
+            lambda c: bool(c.profiler.profiler_export_path),
             "must be a folder path",
-            source,
         )
+    ),
+)

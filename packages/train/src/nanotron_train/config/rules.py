@@ -1,7 +1,9 @@
 """The rows of the config check tables: a key, a predicate on the config, a message.
 
-`Check` and the builders of its common rows (`at_least`, `positive`, `below_one`, `refused`),
-shared by config_checks.py (combinations) and config_values.py (ranges of single values).
+Every section's checks are tables of `Check` rows (checks.py and the modules it gathers), run
+by `run_checks`: the first row that does not hold is one ConfigError naming its key and the
+file. Here too are the builders of the common rows (`at_least`, `positive`, `below_one`,
+`refused`).
 """
 
 from __future__ import annotations
@@ -10,12 +12,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nanotron_train.config.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Check:
-    key: str
+    # The dotted key the error names; or a function of the same arguments as `holds` giving
+    # it, for rows over a list (the failing item's key). `{i}` is the index of run_checks.
+    key: str | Callable[..., str]
     holds: Callable[..., bool]  # (cfg) or, in STAGE_CHECKS, (cfg, stage)
     message: Callable[..., str] | str
+
+
+def run_checks(rows: tuple[Check, ...], source: str, *args: Any, index: int = 0) -> None:
+    """Raise a ConfigError for the first row of `rows` that does not hold for `args`."""
+    for row in rows:
+        if not row.holds(*args):
+            key = row.key(*args) if callable(row.key) else row.key
+            message = row.message if isinstance(row.message, str) else row.message(*args)
+            raise ConfigError(key.replace("{i}", str(index)), message, source)
 
 
 def value(obj: Any, path: str) -> Any:

@@ -1,9 +1,7 @@
 """The training config: Nanotron's YAML sections and key names, as dataclasses.
 
-`load_config(path, overrides, world_size)` reads, applies `--override section.key=value`,
-type-checks every key (unknown key, wrong type, missing value = ConfigError naming the key and
-the file) and runs the checks of config_checks.py (combinations, refused Nanotron features).
-It needs no process group, so every rank runs it before anything distributed starts.
+Only the shape and the defaults: load.py reads a file into these classes (loader.py checks
+each key's type) and runs the tables of checks.py.
 
 Every field of Nanotron's config dataclasses is here, with Nanotron's default, so that a YAML
 Nanotron writes loads as it is; README.md's key table says what each one does here.
@@ -11,24 +9,12 @@ Nanotron writes loads as it is; README.md's key table says what each one does he
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from nanotron_models.config import LlamaConfig
-from nanotron_train.config.checks import validate
-from nanotron_train.config.fault import FaultToleranceArgs
-from nanotron_train.config.loader import ConfigError, apply_override, from_dict, to_dict
-from nanotron_train.config.perf import ProfilerArgs
-from nanotron_train.config.validation import ValidationArgs
+from nanotron_train.config.loader import to_dict
 from nanotron_train.data.stages import DatasetSpec
-
-__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "save_config"]
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
 
@@ -183,7 +169,7 @@ class LoggingArgs:
     dashboard_url: str | None = None
     tensorboard_dir: str | None = None
     wandb_project: str | None = None
-    # Telemetry of a parallel run (telemetry/, issue 19; checked in telemetry_config.py).
+    # Telemetry of a parallel run (telemetry/, issue 19; checked in config/telemetry.py).
     rank_stats_interval: int = 10  # per-rank step-time split and memory; 0 = off
     straggler_margin: float = 0.2  # non-waiting time above the median by this fraction ...
     straggler_intervals: int = 3  # ... for this many consecutive intervals: a straggler
@@ -191,6 +177,50 @@ class LoggingArgs:
     throughput_drop_fraction: float = 0.5  # tokens/s below this share of its median: event
     sample_prompts: list[str] = field(default_factory=list)  # greedy samples at checkpoints
     sample_max_new_tokens: int = 32
+
+
+@dataclass
+class ProfilerArgs:
+    """Nanotron's `profiler` section: torch.profiler over the steps chosen by the schedule
+    (skip `wait` steps, `warmup` steps traced but discarded, then `active` steps recorded,
+    `repeat` times; 0 = until the end)."""
+
+    profiler_export_path: str = "profiler"
+    wait: int = 1
+    warmup: int = 1
+    active: int = 1
+    repeat: int = 1
+    skip_first: int = 3  # Nanotron's defaults
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = True
+    export_chrome_trace: bool = False
+
+
+@dataclass
+class FaultToleranceArgs:
+    """What happens on a non-finite loss or gradient norm, loss-spike detection, stack dumps.
+
+    nonfinite_policy: `stop` (exit naming the step and the first parameter with a non-finite
+    gradient), `skip` (no optimizer step; counted and logged) or `rollback` (reload the last
+    checkpoint and skip the data of the steps since). loss_spike_window: past losses the robust
+    z-score uses (0 = off); loss_spike_zscore: the threshold; grad_norm_spike_window and
+    grad_norm_spike_zscore: the same for the gradient norm. stack_dump_dir: where a hung
+    rank writes all its threads' stacks (one file per rank).
+    """
+
+    nonfinite_policy: Literal["stop", "skip", "rollback"] = "stop"
+    loss_spike_window: int = 100
+    loss_spike_zscore: float = 6.0
+    grad_norm_spike_window: int = 100
+    grad_norm_spike_zscore: float = 6.0
+    stack_dump_dir: str = "stack_dumps"
+
+
+@dataclass
+class ValidationArgs:
+    dataset: DatasetSpec | None = None  # dataset_folder and dataset_weights, as in training
+    split: float | None = None  # fraction of each training folder's documents held out
 
 
 @dataclass
@@ -206,9 +236,9 @@ class Config:
         default_factory=lambda: [DatasetStageArgs(name="synthetic", start_training_step=1)]
     )
     logging: LoggingArgs = field(default_factory=LoggingArgs)
-    profiler: ProfilerArgs | None = None  # torch.profiler traces (profiling.py)
+    profiler: ProfilerArgs | None = None  # torch.profiler traces (reporting/profiling.py)
     fault_tolerance: FaultToleranceArgs = field(default_factory=FaultToleranceArgs)
-    validation: ValidationArgs | None = None  # held-out evaluation (validation_config.py)
+    validation: ValidationArgs | None = None  # held-out evaluation (checks: validation.py)
     # Nanotron features this project does not have: null, or refused with one line.
     lighteval: dict[str, Any] | None = None
     s3_upload: dict[str, Any] | None = None
@@ -230,68 +260,3 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
-
-
-def expand_run_name(run: str | None, now: datetime.datetime | None = None) -> str:
-    """Nanotron's run-name templates: %date (YYYYmmdd_HHMMSS) and %jobid (SLURM_JOB_ID or
-    "local"); a missing name is "%date_%jobid"."""
-    name = "%date_%jobid" if run is None else run
-    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d_%H%M%S")
-    return name.replace("%date", stamp).replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
-
-
-def config_from_dict(
-    data: dict[str, Any], source: str = "<config>", world_size: int | None = None
-) -> Config:
-    """Typed config from a raw mapping, validated (world size checked when given)."""
-    cfg = from_dict(Config, data, "", source)
-    cfg.general.run = expand_run_name(cfg.general.run)
-    return validate(cfg, source, world_size)
-
-
-def load_config(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
-) -> Config:
-    """Read a YAML config file, apply `section.key=value` overrides, type-check and validate."""
-    source = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError("", f"cannot read the config file ({exc.strerror})", source) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError("", f"not valid YAML{where}", source) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError("", "the top level must be a mapping of sections", source)
-    for assignment in overrides:
-        apply_override(data, assignment)
-    if overrides:
-        source = f"{source} (with --override)"
-    return config_from_dict(data, source, world_size)
-
-
-SECTION_ORDER = (
-    "general", "parallelism", "model", "tokenizer", "tokens", "optimizer",
-    "checkpoints", "data_stages", "logging",
-)  # fmt: skip
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the config as YAML (atomically), loadable again by load_config."""
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    raw = cfg.to_dict()
-    ordered = {k: raw.pop(k) for k in SECTION_ORDER if k in raw}
-    ordered.update(raw)
-    tmp.write_text(yaml.safe_dump(ordered, sort_keys=False))
-    tmp.replace(target)
-
-
-def replace(cfg: Config, **sections: Any) -> Config:
-    """A copy of `cfg` with whole sections swapped (handy in tests)."""
-    return dataclasses.replace(cfg, **sections)

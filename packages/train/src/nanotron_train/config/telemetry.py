@@ -1,94 +1,96 @@
-"""Checks of the telemetry keys (issue 19): per-rank stats, stragglers, the pipeline timeline,
-throughput drops and samples at checkpoints. The keys live in the `logging` section
-(config.py); `validate` in config_checks.py calls `validate_telemetry`."""
+"""Checks of the telemetry keys: per-rank stats, stragglers, the pipeline timeline, throughput
+drops and samples at checkpoints. The keys live in the `logging` section (schema.py)."""
 
 from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING
 
-from nanotron_train.config.loader import ConfigError
+from nanotron_train.config.rules import Check, at_least
 
 if TYPE_CHECKING:
     from nanotron_train.config.schema import Config
-
 MAX_SAMPLE_PROMPTS = 64  # the dashboard's bound on one `samples` message
 MAX_PROMPT_CHARS = 4000
 MAX_SAMPLE_NEW_TOKENS = 4096
 # The prompts travel in every `samples` message (<= 1 MiB at the dashboard): as JSON they may
 # take at most a quarter of it, so the completions keep the rest.
 MAX_PROMPTS_JSON_BYTES = 256 << 10
+PROMPTS = "logging.sample_prompts"
 
 
-def _check(cond: bool, key: str, message: str, source: str) -> None:
-    if not cond:
-        raise ConfigError(key, message, source)
+def _bad_prompt(cfg: Config) -> int | None:
+    """The index of the first prompt too short or too long."""
+    prompts = cfg.logging.sample_prompts
+    return next((i for i, p in enumerate(prompts) if not 0 < len(p) <= MAX_PROMPT_CHARS), None)
 
 
-def validate_telemetry(cfg: Config, source: str) -> None:
-    lg = cfg.logging
-    for key in ("rank_stats_interval", "pipeline_timeline_interval"):
-        value = getattr(lg, key)
-        _check(value >= 0, f"logging.{key}", f"must be >= 0 (0 = off), got {value}", source)
-    _check(
-        lg.straggler_margin > 0,
+def _prompts_bytes(cfg: Config) -> int:
+    return len(json.dumps(list(cfg.logging.sample_prompts)))
+
+
+def _prompts_row(key, holds, message) -> Check:
+    """A row about the sample prompts: it holds when there are none."""
+    return Check(key, lambda c: not c.logging.sample_prompts or holds(c), message)
+
+
+def _off_or_interval(key: str) -> Check:
+    return Check(
+        key,
+        lambda c: getattr(c.logging, key.split(".")[1]) >= 0,
+        lambda c: f"must be >= 0 (0 = off), got {getattr(c.logging, key.split('.')[1])}",
+    )
+
+
+TELEMETRY_CHECKS: tuple[Check, ...] = (
+    _off_or_interval("logging.rank_stats_interval"),
+    _off_or_interval("logging.pipeline_timeline_interval"),
+    Check(
         "logging.straggler_margin",
-        f"must be > 0 (a fraction above the median), got {lg.straggler_margin}",
-        source,
-    )
-    _check(
-        lg.straggler_intervals >= 1,
-        "logging.straggler_intervals",
-        f"must be >= 1, got {lg.straggler_intervals}",
-        source,
-    )
-    _check(
-        0 < lg.throughput_drop_fraction < 1,
+        lambda c: c.logging.straggler_margin > 0,
+        lambda c: f"must be > 0 (a fraction above the median), got {c.logging.straggler_margin}",
+    ),
+    at_least("logging.straggler_intervals", 1),
+    Check(
         "logging.throughput_drop_fraction",
-        f"must be in (0, 1), got {lg.throughput_drop_fraction}",
-        source,
-    )
-    _check(
-        1 <= lg.sample_max_new_tokens <= MAX_SAMPLE_NEW_TOKENS,
+        lambda c: 0 < c.logging.throughput_drop_fraction < 1,
+        lambda c: f"must be in (0, 1), got {c.logging.throughput_drop_fraction}",
+    ),
+    Check(
         "logging.sample_max_new_tokens",
-        f"must be in [1, {MAX_SAMPLE_NEW_TOKENS}], got {lg.sample_max_new_tokens}",
-        source,
-    )
-    prompts = lg.sample_prompts
-    if not prompts:
-        return
-    key = "logging.sample_prompts"
-    _check(
-        len(prompts) <= MAX_SAMPLE_PROMPTS,
-        key,
-        f"at most {MAX_SAMPLE_PROMPTS} prompts, got {len(prompts)}",
-        source,
-    )
-    for i, prompt in enumerate(prompts):
-        _check(
-            0 < len(prompt) <= MAX_PROMPT_CHARS,
-            f"{key}.{i}",
-            f"must have 1 to {MAX_PROMPT_CHARS} characters, got {len(prompt)}",
-            source,
-        )
-    size = len(json.dumps(list(prompts)))
-    _check(
-        size <= MAX_PROMPTS_JSON_BYTES,
-        key,
-        f"the prompts take {size} bytes as JSON, over the {MAX_PROMPTS_JSON_BYTES}-byte limit "
-        "(they travel in every samples message)",
-        source,
-    )
-    _check(
-        bool(cfg.tokenizer.tokenizer_name_or_path),
-        key,
+        lambda c: 1 <= c.logging.sample_max_new_tokens <= MAX_SAMPLE_NEW_TOKENS,
+        lambda c: f"must be in [1, {MAX_SAMPLE_NEW_TOKENS}], got {c.logging.sample_max_new_tokens}",
+    ),
+    _prompts_row(
+        PROMPTS,
+        lambda c: len(c.logging.sample_prompts) <= MAX_SAMPLE_PROMPTS,
+        lambda c: f"at most {MAX_SAMPLE_PROMPTS} prompts, got {len(c.logging.sample_prompts)}",
+    ),
+    _prompts_row(
+        lambda c: f"{PROMPTS}.{_bad_prompt(c)}",
+        lambda c: _bad_prompt(c) is None,
+        lambda c: (
+            f"must have 1 to {MAX_PROMPT_CHARS} characters, got "
+            f"{len(c.logging.sample_prompts[_bad_prompt(c)])}"
+        ),
+    ),
+    _prompts_row(
+        PROMPTS,
+        lambda c: _prompts_bytes(c) <= MAX_PROMPTS_JSON_BYTES,
+        lambda c: (
+            f"the prompts take {_prompts_bytes(c)} bytes as JSON, over the "
+            f"{MAX_PROMPTS_JSON_BYTES}-byte limit (they travel in every samples message)"
+        ),
+    ),
+    _prompts_row(
+        PROMPTS,
+        lambda c: bool(c.tokenizer.tokenizer_name_or_path),
         "needs tokenizer.tokenizer_name_or_path (the prompts are encoded with it)",
-        source,
-    )
-    _check(
-        bool(cfg.checkpoints.checkpoints_path) and cfg.checkpoints.checkpoint_interval > 0,
-        key,
+    ),
+    _prompts_row(
+        PROMPTS,
+        lambda c: bool(c.checkpoints.checkpoints_path) and c.checkpoints.checkpoint_interval > 0,
         "samples are made at each checkpoint: set checkpoints.checkpoints_path and "
         "checkpoints.checkpoint_interval",
-        source,
-    )
+    ),
+)

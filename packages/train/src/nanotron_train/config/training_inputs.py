@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nanotron_train.config.loader import ConfigError
+from nanotron_train.config.errors import ConfigError
 
 
 def config_source(config_file: str, overrides: list[str] | tuple[str, ...]) -> str:

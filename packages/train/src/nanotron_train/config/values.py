@@ -1,4 +1,4 @@
-"""Single values a config must hold, whatever the combination: checked before config_checks.py.
+"""Single values a config must hold, whatever the combination: checked before checks.py's rows.
 
 1. Every number, found by walking the typed config once (dataclass fields, lists, mappings
    such as model_config.rope_scaling): a float must be finite (`.nan`, `.inf` are YAML floats
@@ -8,7 +8,8 @@
    NumPy refuse negative or too large ones with a traceback; the final learning rate).
 3. Paths the trainer writes to must be of the right kind: a file key that names a folder (or
    a folder key that names a file) would fail only at the first write.
-Each failure is one ConfigError naming the dotted key and the file.
+All three are rows of `VALUE_CHECKS`; each failure is one ConfigError naming the dotted key and
+the file.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanotron_train.config.loader import ConfigError
 from nanotron_train.config.rules import Check, at_least, value
 
 if TYPE_CHECKING:
     from nanotron_train.config.schema import Config
-
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -88,22 +87,37 @@ def path_error(path: str | None, kind: str) -> str | None:
     return None
 
 
-def validate_values(cfg: Config, source: str) -> None:
-    for key, number in _numbers(cfg, ""):
-        error = number_error(number)
-        if error:
-            raise ConfigError(key, error, source)
-    for check in RANGES:
-        if not check.holds(cfg):
-            raise ConfigError(check.key, check.message(cfg), source)
-    for i, stage in enumerate(cfg.data_stages):
-        if not 0 <= stage.data.seed <= SEED32:
-            raise ConfigError(
-                f"data_stages.{i}.data.seed",
-                f"must be in [0, {SEED32}] (NumPy's seed range), got {stage.data.seed}",
-                source,
-            )
-    for key, kind in PATHS:
-        error = path_error(value(cfg, key), kind)
-        if error:
-            raise ConfigError(key, error, source)
+def _bad_number(cfg: Config) -> tuple[str, str] | None:
+    """(key, error) of the first number that no tensor or file could hold."""
+    return next(((k, e) for k, n in _numbers(cfg, "") if (e := number_error(n))), None)
+
+
+def _bad_seed(cfg: Config) -> int | None:
+    return next((i for i, s in enumerate(cfg.data_stages) if not 0 <= s.data.seed <= SEED32), None)
+
+
+def _path_check(key: str, kind: str) -> Check:
+    return Check(
+        key,
+        lambda c: path_error(value(c, key), kind) is None,
+        lambda c: path_error(value(c, key), kind),
+    )
+
+
+VALUE_CHECKS: tuple[Check, ...] = (
+    Check(
+        lambda c: _bad_number(c)[0],
+        lambda c: _bad_number(c) is None,
+        lambda c: _bad_number(c)[1],
+    ),
+    *RANGES,
+    Check(
+        lambda c: f"data_stages.{_bad_seed(c)}.data.seed",
+        lambda c: _bad_seed(c) is None,
+        lambda c: (
+            f"must be in [0, {SEED32}] (NumPy's seed range), got "
+            f"{c.data_stages[_bad_seed(c)].data.seed}"
+        ),
+    ),
+    *(_path_check(key, kind) for key, kind in PATHS),
+)

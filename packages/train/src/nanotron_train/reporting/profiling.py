@@ -25,7 +25,7 @@ from torch.profiler import (
     tensorboard_trace_handler,
 )
 
-from nanotron_train.config.perf import ProfilerArgs
+from nanotron_train.config.schema import ProfilerArgs
 
 
 class StepProfiler:

@@ -1,0 +1,82 @@
+"""Reading a config: YAML file -> `--override`s -> typed dataclasses (schema.py) -> checks.
+
+`load_config(path, overrides, world_size)` reads, applies `--override section.key=value`,
+type-checks every key (unknown key, wrong type, missing value = ConfigError naming the key and
+the file) and runs the tables of checks.py (combinations, refused Nanotron features). It needs
+no process group, so every rank runs it before anything distributed starts. `save_config`
+writes a config back, loadable again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nanotron_train.config.checks import validate
+from nanotron_train.config.errors import ConfigError
+from nanotron_train.config.loader import apply_override, from_dict
+from nanotron_train.config.schema import Config
+
+
+def expand_run_name(run: str | None, now: datetime.datetime | None = None) -> str:
+    """Nanotron's run-name templates: %date (YYYYmmdd_HHMMSS) and %jobid (SLURM_JOB_ID or
+    "local"); a missing name is "%date_%jobid"."""
+    name = "%date_%jobid" if run is None else run
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d_%H%M%S")
+    return name.replace("%date", stamp).replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
+
+
+def config_from_dict(
+    data: dict[str, Any], source: str = "<config>", world_size: int | None = None
+) -> Config:
+    """Typed config from a raw mapping, validated (world size checked when given)."""
+    cfg = from_dict(Config, data, "", source)
+    cfg.general.run = expand_run_name(cfg.general.run)
+    return validate(cfg, source, world_size)
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
+) -> Config:
+    """Read a YAML config file, apply `section.key=value` overrides, type-check and validate."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read the config file ({exc.strerror})", source) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError("", f"not valid YAML{where}", source) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("", "the top level must be a mapping of sections", source)
+    for assignment in overrides:
+        apply_override(data, assignment)
+    if overrides:
+        source = f"{source} (with --override)"
+    return config_from_dict(data, source, world_size)
+
+
+SECTION_ORDER = (
+    "general", "parallelism", "model", "tokenizer", "tokens", "optimizer",
+    "checkpoints", "data_stages", "logging",
+)  # fmt: skip
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the config as YAML (atomically), loadable again by load_config."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    raw = cfg.to_dict()
+    ordered = {k: raw.pop(k) for k in SECTION_ORDER if k in raw}
+    ordered.update(raw)
+    tmp.write_text(yaml.safe_dump(ordered, sort_keys=False))
+    tmp.replace(target)
