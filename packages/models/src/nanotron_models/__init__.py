@@ -1,7 +1,11 @@
-"""Llama built from nanotron-parallel primitives, identical to Hugging Face's LlamaForCausalLM."""
+"""Model families built from nanotron-parallel primitives, found by name in families.py.
+
+Llama today, identical to Hugging Face's LlamaForCausalLM.
+"""
 
 from .attention import resolve_backend
 from .config import LlamaConfig, ModelConfigError
+from .families import FAMILIES, ModelFamily, family, family_of
 from .flops import (
     BlockSpec,
     llama_block_costs,
@@ -23,14 +27,18 @@ from .model import (
 build_llama_blocks = build_llama_stage
 
 __all__ = [
+    "FAMILIES",
     "BlockSpec",
     "KVCache",
     "LlamaConfig",
     "LlamaStage",
     "ModelConfigError",
+    "ModelFamily",
     "build_llama",
     "build_llama_blocks",
     "build_llama_stage",
+    "family",
+    "family_of",
     "full_state_dict",
     "llama_block_costs",
     "llama_block_names",

@@ -1,8 +1,9 @@
-"""The Llama configuration (Nanotron's field names) and its validation."""
+"""The Llama configuration (Nanotron's field names) and its validation, a table of rows."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,134 +115,189 @@ class LlamaConfig:
         return cls(**d)
 
     def validate(self, tp: int = 1) -> LlamaConfig:
-        """Check every field (and compatibility with `tp`); raise ModelConfigError naming the field."""
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "vocab_size",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelConfigError(
-                    f"model_config.{name} must be a positive integer, got {value!r}"
-                )
-        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ModelConfigError(
-                    f"model_config.{name} must be a positive number, got {value!r}"
-                )
-        if not isinstance(tp, int) or tp <= 0:
-            raise ModelConfigError(f"tensor parallel size must be a positive integer, got {tp!r}")
-        h, nh, nkv = self.hidden_size, self.num_attention_heads, self.n_kv_heads
-        if h % nh:
-            raise ModelConfigError(
-                f"model_config.hidden_size ({h}) must be divisible by "
-                f"model_config.num_attention_heads ({nh})"
-            )
-        if self.head_dim % 2:
-            raise ModelConfigError(
-                f"model_config.hidden_size / num_attention_heads = {self.head_dim} must be even (RoPE)"
-            )
-        if nh % nkv:
-            raise ModelConfigError(
-                f"model_config.num_attention_heads ({nh}) must be divisible by "
-                f"model_config.num_key_value_heads ({nkv})"
-            )
-        if nh % tp:
-            raise ModelConfigError(
-                f"model_config.num_attention_heads ({nh}) must be divisible by tp ({tp})"
-            )
-        if nkv < tp:
-            raise ModelConfigError(
-                f"model_config.num_key_value_heads ({nkv}) is smaller than tp ({tp}): each tp rank "
-                f"needs at least one key/value head (we do not replicate kv heads); "
-                f"use tp <= {nkv} or more key/value heads"
-            )
-        if nkv % tp:
-            raise ModelConfigError(
-                f"model_config.num_key_value_heads ({nkv}) must be divisible by tp ({tp})"
-            )
-        if self.intermediate_size % tp:
-            raise ModelConfigError(
-                f"model_config.intermediate_size ({self.intermediate_size}) must be divisible by tp ({tp})"
-            )
-        if self.hidden_act != "silu":
-            raise ModelConfigError(
-                f"model_config.hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}"
-            )
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ModelConfigError(
-                f"model_config.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}"
-            )
-        if self._attn_implementation not in NANOTRON_ATTENTION:
-            raise ModelConfigError(
-                f"model_config._attn_implementation {self._attn_implementation!r} asks for an "
-                "attention kernel this project does not have: use flash_attention_2, sdpa, "
-                "null, or llama3_ring_attention (the context-parallel attention here, Llama 3's "
-                "all-gather of keys and values; ring and flex attention are not implemented)"
-            )
-        if self.z_loss_coefficient < 0:
-            raise ModelConfigError(
-                f"model_config.z_loss_coefficient must be >= 0, got {self.z_loss_coefficient}"
-            )
-        if self.rope_interleaved:
-            raise ModelConfigError(
-                "model_config.rope_interleaved=True is not supported (we use the rotate-half "
-                "layout of Hugging Face)"
-            )
-        if not self.is_llama_config:
-            raise ModelConfigError(
-                "model_config.is_llama_config is false: only Llama models are supported here"
-            )
-        if not self.use_cache:
-            raise ModelConfigError(
-                "model_config.use_cache: false asks for generation without a KV cache, which "
-                "this project does not have; set it to true"
-            )
-        if self.pretraining_tp != 1:
-            raise ModelConfigError(
-                f"model_config.pretraining_tp must be 1, got {self.pretraining_tp!r}"
-            )
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or not 0 <= value < self.vocab_size
-            ):
-                raise ModelConfigError(
-                    f"model_config.{name} must be None or in [0, vocab_size={self.vocab_size}), "
-                    f"got {value!r}"
-                )
-        _validate_rope_scaling(self.rope_scaling)
+        """Check every field (and compatibility with `tp`) against `LLAMA_CHECKS`, in order;
+        raise ModelConfigError naming the field of the first that fails."""
+        for check in LLAMA_CHECKS:
+            if not check.holds(self, tp):
+                raise ModelConfigError(check.message(self, tp))
         return self
 
 
-def _validate_rope_scaling(rs: dict[str, Any] | None) -> None:
+@dataclass(frozen=True)
+class ModelCheck:
+    """One row: `holds(config, tp)`, else the error `message(config, tp)` (it names the field).
+    Rows run in order, so a row may assume the ones above it passed."""
+
+    holds: Callable[[Any, int], bool]
+    message: Callable[[Any, int], str]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _field_rows(names: tuple[str, ...], ok: Callable[[Any], bool], kind: str) -> list[ModelCheck]:
+    return [
+        ModelCheck(
+            lambda c, tp, n=name: ok(getattr(c, n)),
+            lambda c, tp, n=name: f"model_config.{n} must be {kind}, got {getattr(c, n)!r}",
+        )
+        for name in names
+    ]
+
+
+def _token_id_ok(c: LlamaConfig, name: str) -> bool:
+    value = getattr(c, name)
+    return value is None or (isinstance(value, int) and 0 <= value < c.vocab_size)
+
+
+_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+_POSITIVE = ("rms_norm_eps", "rope_theta", "initializer_range")
+_MC = "model_config"
+
+LLAMA_CHECKS: tuple[ModelCheck, ...] = (
+    *_field_rows(_SIZES, _positive_int, "a positive integer"),
+    *_field_rows(_POSITIVE, _positive_number, "a positive number"),
+    ModelCheck(
+        lambda c, tp: isinstance(tp, int) and tp > 0,
+        lambda c, tp: f"tensor parallel size must be a positive integer, got {tp!r}",
+    ),
+    ModelCheck(
+        lambda c, tp: c.hidden_size % c.num_attention_heads == 0,
+        lambda c, tp: (
+            f"{_MC}.hidden_size ({c.hidden_size}) must be divisible by "
+            f"{_MC}.num_attention_heads ({c.num_attention_heads})"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: c.head_dim % 2 == 0,
+        lambda c, tp: f"{_MC}.hidden_size / num_attention_heads = {c.head_dim} must be even (RoPE)",
+    ),
+    ModelCheck(
+        lambda c, tp: c.num_attention_heads % c.n_kv_heads == 0,
+        lambda c, tp: (
+            f"{_MC}.num_attention_heads ({c.num_attention_heads}) must be divisible by "
+            f"{_MC}.num_key_value_heads ({c.n_kv_heads})"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: c.num_attention_heads % tp == 0,
+        lambda c, tp: (
+            f"{_MC}.num_attention_heads ({c.num_attention_heads}) must be divisible by tp ({tp})"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: c.n_kv_heads >= tp,
+        lambda c, tp: (
+            f"{_MC}.num_key_value_heads ({c.n_kv_heads}) is smaller than tp ({tp}): each tp rank "
+            f"needs at least one key/value head (we do not replicate kv heads); "
+            f"use tp <= {c.n_kv_heads} or more key/value heads"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: c.n_kv_heads % tp == 0,
+        lambda c, tp: f"{_MC}.num_key_value_heads ({c.n_kv_heads}) must be divisible by tp ({tp})",
+    ),
+    ModelCheck(
+        lambda c, tp: c.intermediate_size % tp == 0,
+        lambda c, tp: (
+            f"{_MC}.intermediate_size ({c.intermediate_size}) must be divisible by tp ({tp})"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: c.hidden_act == "silu",
+        lambda c, tp: f"{_MC}.hidden_act must be 'silu' (SwiGLU), got {c.hidden_act!r}",
+    ),
+    ModelCheck(
+        lambda c, tp: c.attn_backend in ATTN_BACKENDS,
+        lambda c, tp: f"{_MC}.attn_backend must be one of {ATTN_BACKENDS}, got {c.attn_backend!r}",
+    ),
+    ModelCheck(
+        lambda c, tp: c._attn_implementation in NANOTRON_ATTENTION,
+        lambda c, tp: (
+            f"{_MC}._attn_implementation {c._attn_implementation!r} asks for an "
+            "attention kernel this project does not have: use flash_attention_2, sdpa, "
+            "null, or llama3_ring_attention (the context-parallel attention here, Llama 3's "
+            "all-gather of keys and values; ring and flex attention are not implemented)"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: c.z_loss_coefficient >= 0,
+        lambda c, tp: f"{_MC}.z_loss_coefficient must be >= 0, got {c.z_loss_coefficient}",
+    ),
+    ModelCheck(
+        lambda c, tp: not c.rope_interleaved,
+        lambda c, tp: (
+            f"{_MC}.rope_interleaved=True is not supported (we use the rotate-half "
+            "layout of Hugging Face)"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: bool(c.is_llama_config),
+        lambda c, tp: f"{_MC}.is_llama_config is false: only Llama models are supported here",
+    ),
+    ModelCheck(
+        lambda c, tp: bool(c.use_cache),
+        lambda c, tp: (
+            f"{_MC}.use_cache: false asks for generation without a KV cache, which "
+            "this project does not have; set it to true"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: c.pretraining_tp == 1,
+        lambda c, tp: f"{_MC}.pretraining_tp must be 1, got {c.pretraining_tp!r}",
+    ),
+    *(
+        ModelCheck(
+            lambda c, tp, n=name: _token_id_ok(c, n),
+            lambda c, tp, n=name: (
+                f"{_MC}.{n} must be None or in [0, vocab_size={c.vocab_size}), "
+                f"got {getattr(c, n)!r}"
+            ),
+        )
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+    ),
+    ModelCheck(
+        lambda c, tp: _rope_scaling_error(c.rope_scaling) is None,
+        lambda c, tp: _rope_scaling_error(c.rope_scaling),
+    ),
+)
+
+
+def _rope_scaling_error(rs: dict[str, Any] | None) -> str | None:
+    """What is wrong with `rope_scaling` (None: nothing)."""
     if rs is None:
-        return
+        return None
     if not isinstance(rs, dict):
-        raise ModelConfigError(f"model_config.rope_scaling must be null or a mapping, got {rs!r}")
+        return f"model_config.rope_scaling must be null or a mapping, got {rs!r}"
     kind = rs.get("rope_type", rs.get("type"))
     if kind != "llama3":
-        raise ModelConfigError(
+        return (
             f"model_config.rope_scaling.rope_type must be 'llama3' (the only scaling supported), "
             f"got {kind!r}"
         )
     for key in _LLAMA3_KEYS:
         value = rs.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ModelConfigError(
-                f"model_config.rope_scaling.{key} must be a positive number, got {value!r}"
-            )
+        if not _positive_number(value):
+            return f"model_config.rope_scaling.{key} must be a positive number, got {value!r}"
     if rs["high_freq_factor"] <= rs["low_freq_factor"]:
-        raise ModelConfigError(
+        return (
             "model_config.rope_scaling.high_freq_factor must be greater than low_freq_factor, "
             f"got {rs['high_freq_factor']} <= {rs['low_freq_factor']}"
         )
     unknown = set(rs) - {"rope_type", "type", *_LLAMA3_KEYS}
     if unknown:
-        raise ModelConfigError(f"model_config.rope_scaling: unknown key(s) {sorted(unknown)}")
+        return f"model_config.rope_scaling: unknown key(s) {sorted(unknown)}"
+    return None

@@ -16,38 +16,40 @@ from nanotron_models.flops import llama_block_costs, llama_block_names
 from nanotron_models.model import LlamaStage, build_llama_stage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.pipeline import engine, stage_block_names
-from nanotron_train.config.schema import Config
+from nanotron_train.config.schema import Config, ModelArgs
 
 
-def padded_model_config(cfg: Config) -> LlamaConfig:
+def padded_model_config(model: ModelArgs) -> LlamaConfig:
     """Nanotron rounds the vocabulary up to make_vocab_size_divisible_by (layout-independent)."""
-    mc = cfg.model.model_config
-    div = cfg.model.make_vocab_size_divisible_by
+    mc = model.model_config
+    div = model.make_vocab_size_divisible_by
     padded = -(-mc.vocab_size // div) * div
     return mc if padded == mc.vocab_size else replace(mc, vocab_size=padded)
 
 
 def build_model(
-    cfg: Config,
+    model: ModelArgs,
+    seed: int,
+    sequence_length: int,
     pc: ParallelContext,
     stage: int | None = None,
     num_stages: int | None = None,
 ) -> LlamaStage:
     """The blocks of pipeline stage `stage` of `num_stages` (default: this rank's of pp),
-    balanced by estimated compute, with this rank's tp shards."""
-    mc = padded_model_config(cfg)
+    balanced by estimated compute at `sequence_length`, with this rank's tp shards."""
+    mc = padded_model_config(model)
     stage = pc.pp_rank if stage is None else stage
     num_stages = pc.pp_size if num_stages is None else num_stages
     names = llama_block_names(mc)
-    costs = llama_block_costs(mc, cfg.tokens.sequence_length)
+    costs = llama_block_costs(mc, sequence_length)
     return build_llama_stage(
         mc,
         pc,
         stage_block_names(names, costs, num_stages, stage),
-        seed=cfg.general.seed,
-        init_std=cfg.model.init_method.std,
-        scaling_method=cfg.model.init_method.scaling_method,
-        dtype=DTYPES[cfg.model.dtype],
+        seed=seed,
+        init_std=model.init_method.std,
+        scaling_method=model.init_method.scaling_method,
+        dtype=DTYPES[model.dtype],
         device=pc.device,
     )
 
@@ -56,7 +58,8 @@ def build_stage_chunks(cfg: Config, pc: ParallelContext) -> list[LlamaStage]:
     """This rank's chunks: one stage, or for an engine with virtual stages (interleaved-1f1b)
     v chunks, chunk c being virtual stage c * pp + pp_rank of pp * v (blocks placed over all
     of them by cost)."""
+    args = (cfg.model, cfg.general.seed, cfg.tokens.sequence_length, pc)
     if not engine(cfg.parallelism.pp_engine).uses_virtual_stages:
-        return [build_model(cfg, pc)]
+        return [build_model(*args)]
     v, pp = cfg.parallelism.pp_virtual_stages, pc.pp_size
-    return [build_model(cfg, pc, c * pp + pc.pp_rank, pp * v) for c in range(v)]
+    return [build_model(*args, c * pp + pc.pp_rank, pp * v) for c in range(v)]
