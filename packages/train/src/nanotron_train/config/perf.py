@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nanotron_parallel.pipeline import ENGINES, PipelineEngine
 from nanotron_train.config.rules import Check, at_least
 
 if TYPE_CHECKING:
     from nanotron_train.config.schema import Config
 
 
-def _interleaved(cfg: Config) -> bool:
-    return cfg.parallelism.pp_engine == "interleaved-1f1b"
+def _engine(cfg: Config) -> PipelineEngine:
+    return ENGINES[cfg.parallelism.pp_engine]
+
+
+_VIRTUAL = ", ".join(name for name, e in ENGINES.items() if e.uses_virtual_stages)
 
 
 def _profiler_row(row: Check) -> Check:
@@ -24,19 +28,20 @@ PERF_CHECKS: tuple[Check, ...] = (
     at_least("parallelism.pp_virtual_stages", 1),
     Check(
         "parallelism.pp_virtual_stages",
-        lambda c: _interleaved(c) or c.parallelism.pp_virtual_stages == 1,
+        lambda c: _engine(c).uses_virtual_stages or c.parallelism.pp_virtual_stages == 1,
         lambda c: (
             f"is {c.parallelism.pp_virtual_stages} but only parallelism.pp_engine: "
-            "interleaved-1f1b uses virtual stages"
+            f"{_VIRTUAL} uses virtual stages"
         ),
     ),
     Check(
         "tokens.batch_accumulation_per_replica",
         lambda c: (
-            not _interleaved(c) or c.tokens.batch_accumulation_per_replica % c.parallelism.pp == 0
+            not _engine(c).micro_batches_multiple_of_pp
+            or c.tokens.batch_accumulation_per_replica % c.parallelism.pp == 0
         ),
         lambda c: (
-            "the interleaved-1f1b engine needs the micro-batches per step "
+            f"the {c.parallelism.pp_engine} engine needs the micro-batches per step "
             f"({c.tokens.batch_accumulation_per_replica}) to be divisible by "
             f"parallelism.pp={c.parallelism.pp}"
         ),
@@ -44,7 +49,7 @@ PERF_CHECKS: tuple[Check, ...] = (
     Check(
         "parallelism.pp_virtual_stages",
         lambda c: (
-            not _interleaved(c)
+            not _engine(c).uses_virtual_stages
             or c.model.model_config.num_hidden_layers
             >= c.parallelism.pp * c.parallelism.pp_virtual_stages
         ),
