@@ -92,6 +92,19 @@ def one_f_one_b(pp: int, m: int, f_ms: float = 10.0, b_ms: float = 20.0) -> list
     return spans
 
 
+def with_weight_grad(spans: list[dict]) -> list[dict]:
+    """Each backward split in two, as a zero-bubble schedule records it: the input gradient
+    ("backward", the first half) and then the weight gradient ("W", the second half)."""
+    out = []
+    for s in spans:
+        if s["kind"] != "backward":
+            out.append(s)
+            continue
+        mid = (s["start_ms"] + s["end_ms"]) / 2
+        out += [{**s, "end_ms": mid}, {**s, "kind": "W", "start_ms": mid}]
+    return out
+
+
 def timeline(run_id: str, step: int, pp: int = 2, m: int = 4) -> dict[str, Any]:
     spans = one_f_one_b(pp, m)
     total = max(s["end_ms"] for s in spans)

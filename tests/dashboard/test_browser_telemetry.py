@@ -1,6 +1,6 @@
-"""Issue 19 views in headless Chromium: the rank heatmap with a straggler, the pipeline
-Gantt chart, event markers and list, samples shown as text, the System group, tags and the
-run list's badges. Each assertion reads drawn pixels or shown text that depends on the data
+"""The telemetry views in headless Chromium: the rank heatmap with a straggler, the pipeline
+Gantt chart (with a span kind it learns from the data), event markers and list, samples shown
+as text, the System group, tags and the run list's badges. Each assertion reads drawn pixels or shown text that depends on the data
 posted; screenshots go to $NANOTRON_SCREENSHOTS (default: the test's temporary folder)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import telemetry_data as td
+from dashboard_helpers import LAUNCH_TOKEN
 
 pytestmark = pytest.mark.browser
 
@@ -17,6 +18,7 @@ RUN = "tele"
 XSS_PROMPT = "<script>window.__pwned = 1</script>"
 XSS_COMPLETION = '<img src=x onerror="window.__pwned = 1">'
 FORWARD, BACKWARD, IDLE = (43, 125, 233), (233, 105, 43), (246, 247, 249)
+THIRD_KIND = (46, 157, 76)  # the third span kind to start in a timeline (#2e9d4c)
 WARNING, CRITICAL = (242, 169, 0), (224, 30, 90)
 PIXEL = """([id, x, y]) => { const c = document.getElementById(id);
     return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3)); }"""
@@ -192,9 +194,30 @@ def test_run_page_draws_the_parallel_views(browser, seeded, shots):
     page.close()
 
 
+def test_a_span_kind_the_page_never_heard_of_is_drawn_in_its_own_colour(browser, seeded):
+    # a zero-bubble schedule's weight-gradient spans ("W"): no list of kinds in the page
+    msg = {**td.timeline("zb", 7, pp=2, m=4), "schedule": "zb-h1"}
+    msg["spans"] = td.with_weight_grad(msg["spans"])
+    seeded.post("/api/ingest", [{"type": "run_start", "run_id": "zb"}, msg])
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    page.goto(seeded.url + "/runs/zb")
+    page.wait_for_function("() => window.__nt.gantt && window.__nt.gantt.step === 7")
+    g = page.evaluate("() => window.__nt.gantt")
+    assert g["colors"] == {"forward": "#2b7de9", "backward": "#e9692b", "W": "#2e9d4c"}
+    legend = page.locator("#tl-legend .legend-kind")
+    assert legend.all_inner_texts() == ["forward", "backward", "W"]
+    want = {"forward": FORWARD, "backward": BACKWARD, "W": THIRD_KIND}
+    for s in msg["spans"]:  # each bar, 2 px into it, in its kind's colour
+        x = (g["left"] + s["start_ms"] * g["scale"] + 2) * g["dpr"]
+        y = (g["top"] + s["stage"] * g["rowH"] + (g["rowH"] - g["barH"]) / 2 + 2) * g["dpr"]
+        assert near(page.evaluate(PIXEL, ["gantt", int(x), int(y)]), want[s["kind"]]), s
+    page.close()
+
+
 def test_tags_round_trip_and_run_list_badges(browser, seeded, shots):
     page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.goto(seeded.url + f"/runs/{RUN}")
+    # editing writes: the server has credentials (a launch token), so the page signs in
+    page.goto(seeded.url + f"/runs/{RUN}?token={LAUNCH_TOKEN}")
     page.locator("#tags-input").wait_for()
     page.wait_for_function("() => window.__nt.run !== null")
     page.fill("#tags-input", "baseline exp:1")

@@ -1,4 +1,4 @@
-"""Issue 19, dashboard side: the telemetry messages (rank_stats, pipeline_timeline, event,
+"""Telemetry, dashboard side: the telemetry messages (rank_stats, pipeline_timeline, event,
 samples) stored and served with their values, bad input refused with a reason, replays
 idempotent, restart and stall events derived, tags and a note (CSRF), live notices."""
 
@@ -108,6 +108,32 @@ def test_pipeline_timeline_list_and_spans(c):
     assert len(c.get("/api/runs/tl/timelines").json()) == 2
 
 
+def test_a_new_span_kind_is_stored_and_served_and_old_coded_rows_still_read(c):
+    start(c, "zb")
+    msg = {**td.timeline("zb", 10), "schedule": "zb-h1"}
+    msg["spans"] = td.with_weight_grad(msg["spans"])
+    post(c, msg)
+    one = c.get("/api/runs/zb/timelines/10").json()
+    assert one["spans"] == msg["spans"] and one["schedule"] == "zb-h1"
+    kinds = [s["kind"] for s in one["spans"]]
+    assert (kinds.count("forward"), kinds.count("backward"), kinds.count("W")) == (8, 8, 8)
+    # a timeline stored before spans carried their kind's name: codes 0 and 1
+    old = [[0, 0, 0, 0, 0.0, 10.0], [0, 0, 0, 1, 10.0, 30.0]]
+    c.app.state.writer.submit(
+        lambda conn: conn.exec_driver_sql(
+            "INSERT INTO timelines(run_pk, step, time, schedule, pp, chunks, micro_batches, "
+            "n_spans, spans) SELECT pk, 5, 0, '1f1b', 1, 1, 1, 2, ? FROM runs WHERE id='zb'",
+            (json.dumps(old),),
+        ),
+        want_result=True,
+    ).result(10)
+    spans = c.get("/api/runs/zb/timelines/5").json()["spans"]
+    assert [(s["kind"], s["start_ms"], s["end_ms"]) for s in spans] == [
+        ("forward", 0.0, 10.0),
+        ("backward", 10.0, 30.0),
+    ]
+
+
 def test_events_idempotent_listed_and_counted_in_the_run_list(c):
     start(c, "ev")
     post(c, td.straggler("ev", 57))
@@ -170,7 +196,18 @@ ENTRY = BASE["ranks"][0]
             {**td.timeline("bad", 1), "spans": [{**td.one_f_one_b(2, 4)[1], "start_ms": 30.0}]},
             "before start_ms",
         ),
-        ({**td.timeline("bad", 1), "spans": [{**td.one_f_one_b(2, 4)[0], "kind": "idle"}]}, "kind"),
+        ({**td.timeline("bad", 1), "spans": [{**td.one_f_one_b(2, 4)[0], "kind": "<b>"}]}, "kind"),
+        (
+            {**td.timeline("bad", 1), "spans": [{**td.one_f_one_b(2, 4)[0], "kind": "k" * 33}]},
+            "kind",
+        ),
+        (
+            {
+                **td.timeline("bad", 1, m=8),
+                "spans": [{**s, "kind": f"k{i % 17}"} for i, s in enumerate(td.one_f_one_b(2, 8))],
+            },
+            "17 kinds, over the limit of 16",
+        ),
         (td.event("bad", "meltdown", 1), "kind"),
         (td.event("bad", "stall", 1, severity="fatal"), "severity"),
         (td.event("bad", "stall", 1, message="m" * 2001), "message"),
@@ -353,7 +390,7 @@ def test_an_older_database_gets_the_new_tables_and_delete_removes_telemetry(tmp_
     with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as s:
         post(s, {"type": "run_start", "run_id": "old"})
         post(s, {"type": "metrics", "run_id": "old", "step": 1, "values": {"lm_loss": 2.0}})
-    con = sqlite3.connect(db)  # as a file written before issue 19
+    con = sqlite3.connect(db)  # as a file written before the telemetry tables
     for t in ("rank_stats", "timelines", "events", "samples", "run_labels", "run_stall"):
         con.execute(f"DROP TABLE {t}")
     con.commit()

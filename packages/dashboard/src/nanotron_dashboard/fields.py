@@ -16,6 +16,7 @@ MAX_METRIC_NAMES = 1000  # per run (the writer enforces it across messages)
 MAX_DETAILS_BYTES = 16 << 10  # an event's details
 MAX_RANKS = 65_536  # entries of one rank_stats message
 MAX_SPANS = 100_000  # spans of one pipeline_timeline message
+MAX_SPAN_KINDS = 16  # distinct span kinds in one pipeline_timeline message
 MAX_SAMPLES = 64
 RUN_ID_CHARS = "A-Za-z0-9._-"
 

@@ -1,4 +1,4 @@
-"""Telemetry messages (issue 19): per-rank times, the pipeline timeline, events and samples.
+"""Telemetry messages: per-rank times, the pipeline timeline, events and samples.
 
 Each is bounded like the other ingest messages (see fields.py); docs/internals.md and the
 contract in README describe what the trainer sends.
@@ -23,6 +23,7 @@ from .fields import (
     MAX_DETAILS_BYTES,
     MAX_RANKS,
     MAX_SAMPLES,
+    MAX_SPAN_KINDS,
     MAX_SPANS,
     Finite,
     Int64,
@@ -36,6 +37,9 @@ NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Coord = Annotated[int, Field(ge=0, le=1 << 24)]  # a rank or a parallel coordinate
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 NoNul = r"^[^\x00]*$"
+# A span's kind is whatever the schedule calls its work ("forward", "backward", a zero-bubble
+# schedule's "W", ...): any short name, so that a new schedule needs no dashboard release.
+SpanKind = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")]
 
 
 class _Part(BaseModel):
@@ -106,7 +110,7 @@ class Span(_Part):
     stage: Coord
     chunk: Coord = 0
     micro_batch: Coord
-    kind: Literal["forward", "backward"]
+    kind: SpanKind
     start_ms: NonNeg
     end_ms: NonNeg
 
@@ -134,6 +138,9 @@ class PipelineTimeline(Msg):
                     f"{s.micro_batch} outside pp={self.pp}, chunks={self.chunks}, "
                     f"micro_batches={self.micro_batches}"
                 )
+        kinds = {s.kind for s in self.spans}
+        if len(kinds) > MAX_SPAN_KINDS:  # each kind is a colour and a legend entry
+            raise ValueError(f"spans: {len(kinds)} kinds, over the limit of {MAX_SPAN_KINDS}")
         return self
 
     def memory_bytes(self) -> int:

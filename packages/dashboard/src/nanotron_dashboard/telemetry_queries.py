@@ -108,11 +108,17 @@ def timeline(conn: Connection, pk: int, step: int) -> dict[str, Any] | None:
     keys = ("step", "time", "schedule", "pp", "chunks", "micro_batches", "bubble_measured")
     out = dict(zip((*keys, "bubble_formula"), row[:8]))
     out["spans"] = [
-        {"stage": s, "chunk": c, "micro_batch": mb, "kind": "backward" if k else "forward",
+        {"stage": s, "chunk": c, "micro_batch": mb, "kind": _span_kind(k),
          "start_ms": a, "end_ms": b}
         for s, c, mb, k, a, b in json.loads(row[8])
     ]  # fmt: skip
     return out
+
+
+def _span_kind(k: str | int) -> str:
+    """Spans carry their kind's name. Timelines stored by releases that had only two kinds
+    hold a code instead (0 forward, 1 backward): the file format they were written in."""
+    return k if isinstance(k, str) else ("forward", "backward")[k]
 
 
 def events(conn: Connection, pk: int, run_id: str, kind: str | None, limit: int) -> list[dict]:

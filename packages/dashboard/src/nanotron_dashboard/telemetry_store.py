@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ class Side:
         self.notices.setdefault(ev["run_id"], []).append({"type": "event", **notice})
 
 
-def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> None:
+def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool:
     """Merge the message's ranks into the step's row: a large world arrives as several
     messages per step (disjoint ranks), and a replay overwrites its own ranks only."""
     coords = np.array([(r.rank, r.dp, r.tp, r.pp, r.cp) for r in m.ranks], dtype="<i8")
@@ -73,13 +74,13 @@ def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> None:
             vals.tobytes(),
         ),
     )
+    return True
 
 
-def store_timeline(conn: Connection, pk: int, m: PipelineTimeline) -> None:
-    spans = [
-        [s.stage, s.chunk, s.micro_batch, 0 if s.kind == "forward" else 1, s.start_ms, s.end_ms]
-        for s in m.spans
-    ]
+def store_timeline(conn: Connection, pk: int, m: PipelineTimeline) -> bool:
+    """Spans as compact rows [stage, chunk, micro_batch, kind, start_ms, end_ms], the kind
+    by its name: the dashboard learns the kinds from the timelines it stores."""
+    spans = [[s.stage, s.chunk, s.micro_batch, s.kind, s.start_ms, s.end_ms] for s in m.spans]
     conn.exec_driver_sql(
         "INSERT OR REPLACE INTO timelines(run_pk, step, time, schedule, pp, chunks, "
         "micro_batches, bubble_measured, bubble_formula, n_spans, spans) "
@@ -98,10 +99,11 @@ def store_timeline(conn: Connection, pk: int, m: PipelineTimeline) -> None:
             json.dumps(spans, separators=(",", ":")),
         ),
     )
+    return True
 
 
 def store_samples(conn: Connection, pk: int, m: Samples) -> bool:
-    """True when stored; a replay of the same (run, step) is ignored."""
+    """False for a replay of the same (run, step): it is ignored."""
     cur = conn.exec_driver_sql(
         "INSERT INTO samples(run_pk, step, time, max_new_tokens, samples) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT(run_pk, step) DO NOTHING",
@@ -114,6 +116,16 @@ def store_samples(conn: Connection, pk: int, m: Samples) -> bool:
         ),
     )
     return cur.rowcount == 1
+
+
+# The telemetry messages stored per step, each by its function: True when something new was
+# stored (the live feed then tells the pages). Events are stored by store_trainer_event.
+Store = Callable[[Connection, int, Any], bool]
+STORE: dict[type, Store] = {
+    RankStats: store_rank_stats,
+    PipelineTimeline: store_timeline,
+    Samples: store_samples,
+}
 
 
 def store_event(

@@ -5,7 +5,9 @@
 const NTT = (() => {
   const $ = (id) => document.getElementById(id);
   const SEVERITY_COLORS = { critical: "#e01e5a", warning: "#f2a900", info: "#7a7f87" };
-  const FORWARD = "#2b7de9", BACKWARD = "#e9692b";
+  // Span colours by the order in which a timeline's kinds first start (forward, then backward,
+  // then e.g. a zero-bubble schedule's weight-gradient "W"): the kinds come from the data.
+  const SPAN_COLORS = ["#2b7de9", "#e9692b", "#2e9d4c", "#9b3fd1", "#d2333f", "#11949b"];
   const FIELDS = {
     step_ms: "step time (ms)", busy_ms: "not waiting: compute + optimizer + data (ms)",
     compute_ms: "compute (ms)", tp_comm_ms: "tp communication (ms)", pp_wait_ms: "pipeline wait (ms)",
@@ -153,6 +155,26 @@ const NTT = (() => {
 
   function pct(v) { return v === null || v === undefined ? "?" : (100 * v).toFixed(1) + "%"; }
 
+  // kind -> colour, for the kinds this timeline holds; past the palette, hues 137.5 deg apart
+  function spanColors(spans) {
+    const first = new Map();
+    for (const sp of spans) {
+      const t = first.get(sp.kind);
+      if (t === undefined || sp.start_ms < t) first.set(sp.kind, sp.start_ms);
+    }
+    const kinds = [...first.keys()].sort((a, b) => first.get(a) - first.get(b) || (a < b ? -1 : a > b ? 1 : 0));
+    return new Map(kinds.map((k, i) => [k, SPAN_COLORS[i] ||
+      "hsl(" + Math.round((i * 137.5) % 360) + ", 60%, 45%)"]));
+  }
+
+  function showLegend(colors) {
+    $("tl-legend").replaceChildren(...[...colors].map(([kind, color]) => {
+      const sw = NT.el("span", { class: "swatch" });
+      sw.style.background = color;  // a CSSOM property: allowed under the page's CSP
+      return NT.el("span", { class: "legend-kind", "data-kind": kind }, sw, kind);
+    }));
+  }
+
   function drawGantt() {
     const t = view.timeline;
     if (!t) return;
@@ -161,6 +183,8 @@ const NTT = (() => {
     const end = Math.max(...t.spans.map((s) => s.end_ms), 1e-9);
     const scale = plotW / end;
     const { g, dpr } = canvas($("gantt"), left + plotW + 20, top + t.pp * rowH + bottom);
+    const colors = spanColors(t.spans);
+    showLegend(colors);
     g.font = "11px system-ui, sans-serif"; g.textBaseline = "middle";
     for (let s = 0; s < t.pp; s++) {
       g.fillStyle = "#1d2330"; g.fillText("stage " + s, 4, top + s * rowH + rowH / 2);
@@ -169,7 +193,7 @@ const NTT = (() => {
     for (const sp of t.spans) {
       const x = left + sp.start_ms * scale, w = Math.max((sp.end_ms - sp.start_ms) * scale - 1, 1);
       const y = top + sp.stage * rowH + (rowH - barH) / 2;
-      g.fillStyle = sp.kind === "forward" ? FORWARD : BACKWARD;
+      g.fillStyle = colors.get(sp.kind);
       if (sp.chunk > 0) g.globalAlpha = 0.7;  // a later virtual chunk (interleaved): lighter
       g.fillRect(x, y, w, barH);
       g.globalAlpha = 1;
@@ -185,7 +209,7 @@ const NTT = (() => {
     g.textAlign = "left";
     $("tl-bubble").textContent = "bubble measured " + pct(t.bubble_measured) + " · formula " + pct(t.bubble_formula) +
       " (" + t.schedule + ", pp=" + t.pp + ", micro-batches=" + t.micro_batches + ", chunks=" + t.chunks + ")";
-    ctx.state.gantt = { left, top, rowH, barH, scale, dpr, step: t.step };
+    ctx.state.gantt = { left, top, rowH, barH, scale, dpr, step: t.step, colors: Object.fromEntries(colors) };
   }
 
   // --- events -------------------------------------------------------------------------------
