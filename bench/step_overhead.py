@@ -94,7 +94,7 @@ def _plain(dp: int, args) -> tuple[list[float], list[float]]:
 
     pc = ParallelContext(dp=dp)
     cfg = config_from_dict(bench_config(dp, args), "bench", world_size=None)
-    model = build_llama(padded_model_config(cfg), pc, seed=1)
+    model = build_llama(padded_model_config(cfg.model), pc, seed=1)
     data = build_data(cfg, pc)
     wrapped = model
     if dp > 1:

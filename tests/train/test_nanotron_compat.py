@@ -460,7 +460,7 @@ def test_tokenizer_revision_picks_that_snapshot_of_the_local_hub_cache(tmp_path,
     assert load_tokenizer("org/tok", "b" * 40).vocab_size == 320
     data = tiny_config()
     data["tokenizer"] = {"tokenizer_name_or_path": "org/tok", "tokenizer_revision": "b" * 40}
-    assert tokenizer_path(config_from_dict(data)) == str(
+    assert tokenizer_path(config_from_dict(data).tokenizer) == str(
         repo / "snapshots" / ("b" * 40) / "tokenizer.json"
     )
     with pytest.raises(DataError, match="at revision 'c+'"):

@@ -144,7 +144,7 @@ def _check_same_model(cfg, model_config, config_file: str) -> None:
     from nanotron_train.checkpoints.load import ARCH_KEYS
     from nanotron_train.model_factory import padded_model_config
 
-    mine, theirs = padded_model_config(cfg).to_dict(), model_config.to_dict()
+    mine, theirs = padded_model_config(cfg.model).to_dict(), model_config.to_dict()
     diff = [f"{k}: config {mine[k]!r}, HF {theirs[k]!r}" for k in ARCH_KEYS if mine[k] != theirs[k]]
     if diff:
         raise HFFolderError(
@@ -220,7 +220,7 @@ def save_imported(
     pc = ParallelContext()
     try:
         torch.manual_seed(cfg.general.seed)
-        mc = padded_model_config(cfg)
+        mc = padded_model_config(cfg.model)
         model = build_llama(mc, pc, dtype=DTYPES[cfg.model.dtype], seed=cfg.general.seed)
         load_full_state_dict(model, full_state_dict(mc))
         # The state a run at `step` would checkpoint, before any optimizer step was taken.

@@ -80,7 +80,7 @@ class Trainer:
         model, self.tied, self.grads = par_model.model, par_model.tied, par_model.grads
         init_path = cfg.model.init_method.path
         if init_path and not cfg.checkpoints.resume_checkpoint_path:  # ExistingCheckpointInit
-            mc = padded_model_config(cfg)  # before the optimizer copies any master weight
+            mc = padded_model_config(cfg.model)  # before the optimizer copies any master weight
             with self.grads.full_parameters():  # ZeRO-3: written back to the shards
                 load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
         self.zero_stage = par_model.zero_stage
@@ -123,7 +123,7 @@ class Trainer:
             if cfg.model.model_config.z_loss_enabled
             else []
         )
-        self.model_config = padded_model_config(cfg)
+        self.model_config = padded_model_config(cfg.model)
         self.peak_tflops = device_peak_tflops(pc.device, dtype)
         self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
         self.logger: MetricsLogger | None = None

@@ -169,7 +169,7 @@ class LoggingArgs:
     dashboard_url: str | None = None
     tensorboard_dir: str | None = None
     wandb_project: str | None = None
-    # Telemetry of a parallel run (telemetry/, issue 19; checked in config/telemetry.py).
+    # Telemetry of a parallel run (telemetry/; checked in config/telemetry.py).
     rank_stats_interval: int = 10  # per-rank step-time split and memory; 0 = off
     straggler_margin: float = 0.2  # non-waiting time above the median by this fraction ...
     straggler_intervals: int = 3  # ... for this many consecutive intervals: a straggler

@@ -50,11 +50,6 @@ class ShuffledSamples:
             return out[0]
         return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
 
-    def sample_id(self, j: int) -> int:
-        epoch, i = divmod(j, self.num_samples)
-        self._log_epoch(epoch)
-        return int(self._perm(epoch)[i])
-
     def _log_epoch(self, epoch: int) -> None:
         if epoch > self._logged_epoch:
             self._logged_epoch = epoch

@@ -9,9 +9,16 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from nanotron_train.config.schema import Config, DatasetStageArgs
+from nanotron_train.config.schema import (
+    Config,
+    DatasetStageArgs,
+    TokenizerArgs,
+    TokensArgs,
+    ValidationArgs,
+)
 from nanotron_train.data import StageSpec, TrainData, load_tokenizer
 from nanotron_train.data.synthetic import SyntheticData
 
@@ -92,7 +99,7 @@ class Prefetched:
 def build_data(cfg: Config, pc) -> Any:
     """This dp rank's data: `micro_batches(step)`, `state_dict()`, `load_state_dict()`,
     prefetched in a background thread when data.num_loading_workers > 0."""
-    source = _build_source(cfg, pc)
+    source = _build_source(cfg.data_stages, _Shape.of(cfg), pc)
     stages = cfg.data_stages
 
     def workers_at(step: int) -> int:
@@ -104,36 +111,50 @@ def build_data(cfg: Config, pc) -> Any:
     return Prefetched(source, workers_at)
 
 
-def _build_source(cfg: Config, pc) -> Any:
-    stages = cfg.data_stages
+@dataclass(frozen=True)
+class _Shape:
+    """What the sources need beyond the stages: the batch shape (`tokens`), the tokenizer, the
+    model's vocabulary and the held-out fraction."""
+
+    tokens: TokensArgs
+    tokenizer: TokenizerArgs
+    vocab_size: int
+    validation_split: float | None
+
+    @classmethod
+    def of(cls, cfg: Config) -> _Shape:
+        split = cfg.validation.split if cfg.validation is not None else None
+        return cls(cfg.tokens, cfg.tokenizer, cfg.model.model_config.vocab_size, split)
+
+
+def _build_source(stages: list[DatasetStageArgs], shape: _Shape, pc) -> Any:
     synthetic = [s.data.dataset is None for s in stages]
     if all(synthetic) and len(stages) == 1:
-        return _synthetic(cfg, pc, stages[0])
+        return _synthetic(stages[0], shape, pc)
     if not any(synthetic):  # one TrainData for every stage: one blend position across them
-        return _real(cfg, pc, stages)
+        return _real(stages, shape, pc)
     starts = [s.start_training_step for s in stages]
     sources = [
-        _synthetic(cfg, pc, s) if s.data.dataset is None else _real(cfg, pc, [s], first=True)
+        _synthetic(s, shape, pc) if s.data.dataset is None else _real([s], shape, pc, first=True)
         for s in stages
     ]
     return StagedData(starts, sources)
 
 
-def tokenizer_path(cfg: Config) -> str | None:
+def tokenizer_path(tok: TokenizerArgs) -> str | None:
     """tokenizer.tokenizer_name_or_path, resolved to the cached file of tokenizer_revision when
     one is given (the data path then reads that file)."""
-    tok = cfg.tokenizer
     if tok.tokenizer_revision is None or tok.tokenizer_name_or_path is None:
         return tok.tokenizer_name_or_path
     return load_tokenizer(tok.tokenizer_name_or_path, tok.tokenizer_revision).path
 
 
-def _synthetic(cfg: Config, pc, stage: DatasetStageArgs) -> SyntheticData:
-    tok = cfg.tokens
+def _synthetic(stage: DatasetStageArgs, shape: _Shape, pc) -> SyntheticData:
+    tok = shape.tokens
     return SyntheticData(
         seed=stage.data.seed,
         sequence_length=stage.sequence_length or tok.sequence_length,
-        vocab_size=cfg.model.model_config.vocab_size,
+        vocab_size=shape.vocab_size,
         micro_batch_size=tok.micro_batch_size,
         accumulation=tok.batch_accumulation_per_replica,
         dp_size=pc.dp_size,
@@ -141,9 +162,9 @@ def _synthetic(cfg: Config, pc, stage: DatasetStageArgs) -> SyntheticData:
     )
 
 
-def _real(cfg: Config, pc, stages: list[DatasetStageArgs], first: bool = False) -> TrainData:
+def _real(stages: list[DatasetStageArgs], shape: _Shape, pc, first: bool = False) -> TrainData:
     """TrainData over `stages` (with `first`, one stage that starts at its source's step 1)."""
-    tok = cfg.tokens
+    tok = shape.tokens
     specs = [
         StageSpec(
             name=s.name,
@@ -161,10 +182,10 @@ def _real(cfg: Config, pc, stages: list[DatasetStageArgs], first: bool = False) 
         batch_accumulation_per_replica=tok.batch_accumulation_per_replica,
         dp_rank=pc.dp_rank,
         dp_size=pc.dp_size,
-        tokenizer_path=tokenizer_path(cfg),
+        tokenizer_path=tokenizer_path(shape.tokenizer),
         cache_dir=os.environ.get("NANOTRON_DATA_CACHE", ".cache/data"),
-        model_vocab_size=cfg.model.model_config.vocab_size,
-        validation_split=cfg.validation.split if cfg.validation is not None else None,
+        model_vocab_size=shape.vocab_size,
+        validation_split=shape.validation_split,
         barrier=BuilderBarrier(pc.rank == 0, _barrier_store(pc)),
         is_builder=pc.rank == 0,
     )
@@ -204,13 +225,12 @@ class BuilderBarrier:
         return json.loads(self.store.get(key))["error"]
 
 
-def _eod_mask_loss(cfg: Config) -> bool:
+def _eod_mask_loss(val: ValidationArgs, stages: list[DatasetStageArgs]) -> bool:
     """Whether validation masks the label after each document's end: `validation.dataset`'s
-    own key, or with `validation.split` the training stages' (config_checks makes them agree)."""
-    val = cfg.validation
+    own key, or with `validation.split` the training stages' (config/checks.py makes them agree)."""
     if val.split is None:
         return val.dataset.eod_mask_loss
-    return any(s.data.dataset.eod_mask_loss for s in cfg.data_stages if s.data.dataset)
+    return any(s.data.dataset.eod_mask_loss for s in stages if s.data.dataset)
 
 
 def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
@@ -263,5 +283,5 @@ def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
         dp_rank=pc.dp_rank,
         dp_size=pc.dp_size,
         limit_batches=tok.limit_val_batches,
-        eod_mask_loss=_eod_mask_loss(cfg),
+        eod_mask_loss=_eod_mask_loss(val, cfg.data_stages),
     )

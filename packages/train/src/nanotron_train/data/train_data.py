@@ -295,9 +295,3 @@ class TrainData:
         self._counts = [int(c) for c in counts]
         self._stages_consumed.update(state.get("stages_consumed_samples", {}))
         self._last_batch = None
-
-    # ---- for tests and tools --------------------------------------------------------------
-
-    @property
-    def current_stage(self) -> str:
-        return self._stages[self._stage_index].spec.name

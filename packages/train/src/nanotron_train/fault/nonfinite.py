@@ -24,7 +24,6 @@ class NonFiniteGuard:
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self.skipped = 0  # optimizer steps skipped over the run (this launch)
-        self.rollbacks = 0
 
     def check(self, loss: float, grad_norm: float | None) -> Action:
         values = [loss] + ([grad_norm] if grad_norm is not None else [])

@@ -71,7 +71,6 @@ class FaultTolerance:
         return record
 
     def rolled_back(self, bad_step: int, to_step: int, pc) -> None:
-        self.nonfinite.rollbacks += 1
         self._say(
             f"warning: non-finite values at step {bad_step}: rolled back to the checkpoint of "
             f"step {to_step}; the data of steps {to_step + 1}..{bad_step} is skipped"
