@@ -84,7 +84,8 @@ def first_run(tmp_path_factory):
     (cwd / "cfg.yaml").write_text(yaml.safe_dump(tiny_config()))
     d = start_dashboard(cwd / "runs.db")
     try:
-        command = [*LAUNCH, "-m", "nanotron_train", "--config-file", "cfg.yaml"]
+        # The launcher's form, as the dashboard records any torchrun launch for resuming.
+        command = [sys.executable, "-m", "nanotron_train.launch", *LAUNCH[3:], "--config-file", "cfg.yaml"]  # fmt: skip
         train(cwd, command, d.url)
         runs = d.get("/api/runs")
         assert len(runs) == 1

@@ -60,7 +60,7 @@ def test_port_held_by_another_program_is_one_clear_error(tmp_path):
 def test_quickstart_config_and_command():
     nanoset, tok = Path(".cache/data/x/nanoset"), Path(".cache/data/x/tokenizer")
     cmd = train_command(nanoset, tok, "http://127.0.0.1:8008", 4, None)
-    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    assert cmd[1:5] == ["-m", "nanotron_train.launch", "--standalone", "--nproc_per_node=4"]
     overrides = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--override"]
     assert overrides == [
         f"data_stages.0.data.dataset.dataset_folder={nanoset}",

@@ -187,16 +187,17 @@ def test_launch_command_rebuilds_torchrun():
         "TORCHELASTIC_RUN_ID": "x",
     }
     cmd = launch_command(argv, env)
-    assert cmd == [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        "-m",
-        "nanotron_train",
-        *argv[1:],
-    ]
+    assert (
+        cmd
+        == [
+            sys.executable,
+            "-m",
+            "nanotron_train.launch",  # the launcher's form: one-line errors, preemption exits 0
+            "--standalone",
+            "--nproc_per_node=4",
+            *argv[1:],
+        ]
+    )
     env2 = {
         **env,
         "GROUP_WORLD_SIZE": "2",

@@ -184,15 +184,14 @@ def _alive(pid: int) -> bool:
 def train_command(
     nanoset: Path, tokenizer: Path, url: str, nproc: int, steps: int | None
 ) -> list[str]:
-    """The torchrun command of the quickstart; its dashboard records it for resuming."""
+    """The quickstart's launch (the launcher's form: one-line errors, a preemption exits 0);
+    its dashboard records it for resuming."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "nanotron_train.launch",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        "-m",
-        "nanotron_train",
         "--config-file",
         str(CONFIG),
         "--override",

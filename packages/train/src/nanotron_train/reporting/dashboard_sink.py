@@ -37,7 +37,10 @@ def launch_command(
     """The command line that relaunches this training, runnable from the recorded cwd.
 
     `argv` is the worker's sys.argv. Only `python -m nanotron_train` launches are known: a
-    library call (tests, notebooks) has no command to record and gets [].
+    library call (tests, notebooks) has no command to record and gets []. A torchrun launch,
+    plain or through the launcher, is recorded in the launcher's form
+    (`python -m nanotron_train.launch`): a user error is then one line and status 2, and a
+    preemption exits 0.
     """
     argv = list(sys.argv if argv is None else argv)
     env = os.environ if env is None else env
@@ -59,7 +62,7 @@ def launch_command(
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}",
         ]
-    return [python, "-m", "torch.distributed.run", *launcher, "-m", "nanotron_train", *args]
+    return [python, "-m", "nanotron_train.launch", *launcher, *args]
 
 
 def resumed_from(
