@@ -8,7 +8,8 @@ sitecustomize that keeps a daemon thread in torch matmuls: a library's thread we
 and runs every feature of ours that starts a thread or asynchronous work: async TP, async
 checkpoint saves, the data prefetch thread, telemetry, the dashboard client (to a live ingest),
 the hang watchdog, the launcher watch. Two such launches at once (8 processes and 8 busy
-threads on the machine's cores) must both exit 0 with no abort. Without process_exit.py every one aborts.
+threads on the machine's cores) must both exit 0 with no abort. Without process_exit.py
+every one aborts.
 """
 
 from __future__ import annotations
