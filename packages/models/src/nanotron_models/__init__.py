@@ -23,9 +23,6 @@ from .model import (
     load_full_state_dict,
 )
 
-# internals.md name for the stage builder.
-build_llama_blocks = build_llama_stage
-
 __all__ = [
     "FAMILIES",
     "BlockSpec",
@@ -35,7 +32,6 @@ __all__ = [
     "ModelConfigError",
     "ModelFamily",
     "build_llama",
-    "build_llama_blocks",
     "build_llama_stage",
     "family",
     "family_of",
