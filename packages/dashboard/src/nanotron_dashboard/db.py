@@ -156,7 +156,7 @@ launch_grants = Table(
 )
 
 
-# --- issue 19: telemetry. New tables, so create_all adds them to older files (no migration).
+# --- telemetry. New tables, so create_all adds them to older files (no migration).
 
 # One row per (run, rank_stats step); a replay overwrites. Packed little-endian arrays, so a
 # heatmap of 200 intervals x 4,096 ranks reads 200 rows and no JSON.

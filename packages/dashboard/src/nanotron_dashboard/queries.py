@@ -18,8 +18,6 @@ from .errors import DashboardError
 from .messages import json_float
 from .series import SeriesCache, downsample, ema
 
-STATUSES = ("running", "finished", "failed", "preempted", "stalled")
-
 
 class NotFound(DashboardError):
     pass

@@ -1,9 +1,11 @@
-"""The SQL each message becomes (run in the writer's transaction), and the result helpers."""
+"""The SQL each run, metrics and checkpoint message becomes (run in the writer's transaction),
+and the result helpers. The telemetry messages' SQL is in telemetry_store.py."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import sqlite3
 from typing import Any
 
@@ -43,30 +45,53 @@ def refusal(status: int, error: str, **extra: Any) -> dict[str, Any]:
     return {"ok": False, "status": status, "error": error, **extra}
 
 
-def upsert_run(conn: Connection, m: RunStart, now: float) -> dict[str, Any] | None:
-    """Create or refresh a run from its run_start; a refusal (409) when it would change the
-    run's command, cwd or checkpoints path."""
-    # The command, cwd and checkpoints path are what Resume runs: fixed by the first
-    # run_start. The same one again (a replay after a restart) is fine; another is refused.
+UPSERT_RUN = (
+    "INSERT INTO runs(id, project, name, status, config, world_size, topology, host, "
+    "command, cwd, checkpoints_path, started, updated, heartbeat, resumed_from_run, "
+    "resumed_from_step) VALUES (:id, :project, :name, 'running', :config, :ws, "
+    ":topology, :host, :command, :cwd, :cp, :started, :now, :now, :rfr, :rfs) "
+    "ON CONFLICT(id) DO UPDATE SET project=excluded.project, name=excluded.name, "
+    "status='running', config=excluded.config, world_size=excluded.world_size, "
+    "topology=excluded.topology, host=excluded.host, command=excluded.command, "
+    "cwd=excluded.cwd, checkpoints_path=excluded.checkpoints_path, "
+    "updated=:now, heartbeat=:now, finished=NULL, error=NULL, "
+    "started=COALESCE(runs.started, excluded.started), "
+    "resumed_from_run=COALESCE(excluded.resumed_from_run, runs.resumed_from_run), "
+    "resumed_from_step=COALESCE(excluded.resumed_from_step, runs.resumed_from_step)"
+)
+
+
+def _command_changed(conn: Connection, m: RunStart) -> dict[str, Any] | None:
+    """The command, cwd and checkpoints path are what Resume runs: fixed by the first
+    run_start. The same one again (a replay after a restart) is fine; another is a 409."""
     prev = conn.execute(
         text("SELECT command, cwd, checkpoints_path FROM runs WHERE id=:id"), {"id": m.run_id}
     ).first()
     new = (json.dumps(m.command), m.cwd, m.checkpoints_path)
-    if prev is not None and (prev[0] != "[]" or prev[1] or prev[2]) and tuple(prev) != new:
-        log.warning(
-            "dashboard: refused a run_start for run %r that would change its command, cwd "
-            "or checkpoints path (kept: %s in %r)",
-            m.run_id,
-            prev[0][:200],
-            prev[1],
-        )
-        return refusal(
-            409,
-            f"run {m.run_id!r} already exists with another command, cwd or checkpoints "
-            "path; they are fixed by its first run_start (start a new run id instead)",
-            type="run_start",
-            run_id=m.run_id,
-        )
+    if prev is None or (prev[0] == "[]" and not prev[1] and not prev[2]) or tuple(prev) == new:
+        return None
+    log.warning(
+        "dashboard: refused a run_start for run %r that would change its command, cwd "
+        "or checkpoints path (kept: %s in %r)",
+        m.run_id,
+        prev[0][:200],
+        prev[1],
+    )
+    return refusal(
+        409,
+        f"run {m.run_id!r} already exists with another command, cwd or checkpoints "
+        "path; they are fixed by its first run_start (start a new run id instead)",
+        type="run_start",
+        run_id=m.run_id,
+    )
+
+
+def upsert_run(conn: Connection, m: RunStart, now: float) -> dict[str, Any] | None:
+    """Create or refresh a run from its run_start; a refusal (409) when it would change the
+    run's command, cwd or checkpoints path."""
+    refused = _command_changed(conn, m)
+    if refused is not None:
+        return refused
     rf = m.resumed_from
     rf_run, rf_step = (rf.run_id, rf.step) if rf else (None, None)
     if rf_run is None:
@@ -87,24 +112,88 @@ def upsert_run(conn: Connection, m: RunStart, now: float) -> dict[str, Any] | No
         "rfr": rf_run,
         "rfs": rf_step,
     }
+    conn.execute(text(UPSERT_RUN), params)
+    return None
+
+
+def run_exists(conn: Connection, run_id: str) -> bool:
+    return conn.execute(text("SELECT 1 FROM runs WHERE id=:id"), {"id": run_id}).first() is not None
+
+
+def run_pk(conn: Connection, run_id: str, now: float) -> int:
+    """The run's key; a run that sends before its run_start (HTTP ingest, a lost start)
+    is created bare."""
+    row = conn.execute(text("SELECT pk FROM runs WHERE id=:id"), {"id": run_id}).first()
+    if row is None:
+        row = conn.execute(
+            text(
+                "INSERT INTO runs(id, project, name, status, config, topology, command, "
+                "started, updated, heartbeat) VALUES (:id, '', :id, 'running', '{}', '{}', "
+                "'[]', :now, :now, :now) RETURNING pk"
+            ),
+            {"id": run_id, "now": now},
+        ).first()
+    return int(row[0])
+
+
+def last_step(conn: Connection, pk: int) -> int | None:
+    row = conn.execute(text("SELECT step FROM runs WHERE pk=:pk"), {"pk": pk}).first()
+    return row[0] if row and row[0] is not None else None
+
+
+def add_attempt(conn: Connection, pk: int, attempt: str, started: float) -> bool:
+    """Record a launch of the run; False when its token was recorded already (a replay)."""
+    return bool(
+        conn.execute(
+            text(
+                "INSERT INTO run_attempts(run_pk, attempt, started) VALUES (:pk, :a, :t) "
+                "ON CONFLICT DO NOTHING"
+            ),
+            {"pk": pk, "a": attempt, "t": started},
+        ).rowcount
+    )
+
+
+def end_run(
+    conn: Connection, pk: int, status: str, error: str | None, t: float | None, now: float
+) -> None:
     conn.execute(
         text(
-            "INSERT INTO runs(id, project, name, status, config, world_size, topology, host, "
-            "command, cwd, checkpoints_path, started, updated, heartbeat, resumed_from_run, "
-            "resumed_from_step) VALUES (:id, :project, :name, 'running', :config, :ws, "
-            ":topology, :host, :command, :cwd, :cp, :started, :now, :now, :rfr, :rfs) "
-            "ON CONFLICT(id) DO UPDATE SET project=excluded.project, name=excluded.name, "
-            "status='running', config=excluded.config, world_size=excluded.world_size, "
-            "topology=excluded.topology, host=excluded.host, command=excluded.command, "
-            "cwd=excluded.cwd, checkpoints_path=excluded.checkpoints_path, "
-            "updated=:now, heartbeat=:now, finished=NULL, error=NULL, "
-            "started=COALESCE(runs.started, excluded.started), "
-            "resumed_from_run=COALESCE(excluded.resumed_from_run, runs.resumed_from_run), "
-            "resumed_from_step=COALESCE(excluded.resumed_from_step, runs.resumed_from_step)"
+            "UPDATE runs SET status=:s, error=:e, finished=:t, updated=:now, "
+            "heartbeat=:now WHERE pk=:pk"
         ),
-        params,
+        {"s": status, "e": error, "t": t, "now": now, "pk": pk},
     )
-    return None
+
+
+def touch_run(conn: Connection, pk: int, now: float, step: int) -> None:
+    """A sign of life: the heartbeat, and the newest step seen (-1: none in this batch)."""
+    conn.execute(
+        text(
+            "UPDATE runs SET heartbeat=:now, updated=:now, "
+            "step=MAX(COALESCE(step, -1), :st) WHERE pk=:pk"
+        ),
+        {"now": now, "st": step, "pk": pk},
+    )
+
+
+def metric_names(conn: Connection, pk: int) -> set[str]:
+    return {r[0] for r in conn.exec_driver_sql("SELECT name FROM latest WHERE run_pk=?", (pk,))}
+
+
+def insert_metrics(conn: Connection, rows: list[tuple]) -> None:
+    """rows: (run_pk, name, step, value, time). Also the latest value of each series and
+    the run's first non-finite step (the run list's NaN badge)."""
+    conn.exec_driver_sql(INSERT_METRIC, rows)
+    newest: dict[tuple[int, str], tuple] = {}
+    for r in rows:  # one latest-row update per metric per batch, not per point
+        k = (r[0], r[1])
+        if k not in newest or r[2] >= newest[k][2]:
+            newest[k] = r[:4]
+    conn.exec_driver_sql(UPSERT_LATEST, list(newest.values()))
+    bad = [(r[0], r[2], r[1]) for r in rows if not math.isfinite(r[3])]
+    if bad:
+        conn.exec_driver_sql(NONFINITE, bad)
 
 
 def upsert_checkpoint(conn: Connection, run_pk: int, **f: Any) -> None:

@@ -195,6 +195,3 @@ class Samples(Msg):
     time: Finite | None = None
     max_new_tokens: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     samples: list[Sample] = Field(min_length=1, max_length=MAX_SAMPLES)
-
-
-TELEMETRY = (RankStats, PipelineTimeline, Event, Samples)

@@ -12,7 +12,6 @@ Each message's result is a dict; a refusal is `{"ok": False, "status": 4xx/5xx, 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -20,16 +19,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
-from . import store, telemetry_store
 from .blocks import Sealer
-from .messages import MAX_METRIC_NAMES, Checkpoint, Heartbeat, Metrics, RunEnd, RunStart
 from .series import SeriesCache
 from .store import DISK_FULL_LOG_EVERY_S, is_disk_full, refusal
-from .telemetry_messages import TELEMETRY, Event, PipelineTimeline, RankStats, Samples
-from .telemetry_store import EventDict, Side, StallCheck
+from .telemetry_store import EventDict, Side
+from .writer_handlers import Batch, Handlers
 from .writer_index import RunIndex
 
 log = logging.getLogger("nanotron_dashboard")
@@ -68,6 +64,7 @@ class Writer:
         self._disk_full_logged = 0.0
         self._index = RunIndex()  # run ids' pks, metric names of the runs written to now
         self._sealer = Sealer()  # keeps series_blocks in step with metrics
+        self._handlers = Handlers(self._index, self._sealer)  # message type -> its writes
         self._thread = threading.Thread(target=self._run, name="dashboard-writer", daemon=True)
 
     def start(self) -> None:
@@ -230,174 +227,9 @@ class Writer:
     def _apply(
         self, conn: Connection, msgs: list[Any]
     ) -> tuple[list[Any], list[tuple], set[str], Side]:
-        now = time.time()
-        side = Side()
-        results: list[Any] = []
-        rows: list[tuple] = []
-        max_step: dict[str, int] = {}
-        touched: set[str] = set()
-        changed: set[str] = set()
+        """One transaction: each message through its type's handler (writer_handlers.py)."""
+        b = Batch(now=time.time())
         with conn.begin():
-            for msg in msgs:
-                if isinstance(msg, Metrics):
-                    pk = self._pk(conn, msg.run_id, now)
-                    refused = self._check_names(conn, pk, msg)
-                    if refused is not None:
-                        results.append(refused)
-                        continue
-                    step, t = msg.step, msg.time
-                    rows.extend([(pk, name, step, value, t) for name, value in msg.values.items()])
-                    max_step[msg.run_id] = max(max_step.get(msg.run_id, -1), msg.step)
-                    touched.add(msg.run_id)
-                    results.append({"ok": True})
-                elif isinstance(msg, TELEMETRY):
-                    self._telemetry(conn, msg, now, side)
-                    touched.add(msg.run_id)  # a sign of life like a heartbeat
-                    if isinstance(msg, Event):
-                        changed.add(msg.run_id)  # the run list's event badges
-                    results.append({"ok": True})
-                elif isinstance(msg, RunStart):
-                    res = self._run_start(conn, msg, now, side)
-                    results.append(res)
-                    if res["ok"]:
-                        changed.add(msg.run_id)
-                elif isinstance(msg, Checkpoint):
-                    self._checkpoint(conn, msg, now)
-                    changed.add(msg.run_id)
-                    results.append({"ok": True})
-                elif isinstance(msg, Heartbeat):
-                    touched.add(msg.run_id)
-                    self._pk(conn, msg.run_id, now)
-                    results.append({"ok": True})
-                elif isinstance(msg, RunEnd):
-                    pk = self._pk(conn, msg.run_id, now)
-                    conn.execute(
-                        text(
-                            "UPDATE runs SET status=:s, error=:e, finished=:t, updated=:now, "
-                            "heartbeat=:now WHERE pk=:pk"
-                        ),
-                        {"s": msg.status, "e": msg.error, "t": msg.time, "now": now, "pk": pk},
-                    )
-                    changed.add(msg.run_id)
-                    results.append({"ok": True})
-                elif isinstance(msg, StallCheck):
-                    for ev in msg(conn, now):
-                        side.event(ev)
-                        changed.add(ev["run_id"])
-                    results.append({"ok": True})
-                elif callable(msg):
-                    results.append(msg(conn))
-                    self._index.clear()  # a job may have created or deleted runs
-                    self._sealer.reset()
-                else:
-                    raise TypeError(f"unknown writer item {type(msg).__name__}")
-            if rows:
-                conn.exec_driver_sql(store.INSERT_METRIC, rows)
-                self._sealer.after_insert(conn.connection.driver_connection, rows)
-                newest: dict[tuple[int, str], tuple] = {}
-                for r in rows:  # one latest-row update per metric per batch, not per point
-                    k = (r[0], r[1])
-                    if k not in newest or r[2] >= newest[k][2]:
-                        newest[k] = r[:4]
-                conn.exec_driver_sql(store.UPSERT_LATEST, list(newest.values()))
-                bad = [(r[0], r[2], r[1]) for r in rows if not math.isfinite(r[3])]
-                if bad:  # the run list's NaN badge: the first non-finite step of each run
-                    conn.exec_driver_sql(store.NONFINITE, bad)
-            for run_id in touched:
-                conn.execute(
-                    text(
-                        "UPDATE runs SET heartbeat=:now, updated=:now, "
-                        "step=MAX(COALESCE(step, -1), :st) WHERE pk=:pk"
-                    ),
-                    {"now": now, "st": max_step.get(run_id, -1), "pk": self._pk(conn, run_id, now)},
-                )
-        changed |= set(max_step)
-        return results, rows, changed, side
-
-    def _telemetry(self, conn: Connection, msg: Any, now: float, side: Side) -> None:
-        pk = self._pk(conn, msg.run_id, now)
-        if isinstance(msg, Event):
-            side.event(telemetry_store.store_trainer_event(conn, pk, msg))
-            return
-        if isinstance(msg, RankStats):
-            telemetry_store.store_rank_stats(conn, pk, msg)
-        elif isinstance(msg, PipelineTimeline):
-            telemetry_store.store_timeline(conn, pk, msg)
-        elif isinstance(msg, Samples) and not telemetry_store.store_samples(conn, pk, msg):
-            return  # a replay: nothing new to show
-        notice = {"type": msg.type, "run_id": msg.run_id, "step": msg.step}
-        side.notices.setdefault(msg.run_id, []).append(notice)
-
-    def _pk(self, conn: Connection, run_id: str, now: float) -> int:
-        pk = self._index.pk(run_id)
-        if pk is None:
-            row = conn.execute(text("SELECT pk FROM runs WHERE id=:id"), {"id": run_id}).first()
-            if row is None:  # metrics before run_start (HTTP ingest, lost start): a bare run
-                row = conn.execute(
-                    text(
-                        "INSERT INTO runs(id, project, name, status, config, topology, command, "
-                        "started, updated, heartbeat) VALUES (:id, '', :id, 'running', '{}', '{}', "
-                        "'[]', :now, :now, :now) RETURNING pk"
-                    ),
-                    {"id": run_id, "now": now},
-                ).first()
-            pk = int(row[0])
-            self._index.set_pk(run_id, pk)
-        return pk
-
-    def _check_names(self, conn: Connection, pk: int, msg: Metrics) -> dict[str, Any] | None:
-        """At most MAX_METRIC_NAMES names per run: a message bringing more is refused whole."""
-        names = self._index.names(pk)
-        if names is None:
-            names = {
-                r[0] for r in conn.exec_driver_sql("SELECT name FROM latest WHERE run_pk=?", (pk,))
-            }
-            self._index.set_names(pk, names)
-        new = [n for n in msg.values if n not in names]
-        if len(names) + len(new) > MAX_METRIC_NAMES:
-            return refusal(
-                422,
-                f"run {msg.run_id!r} would have {len(names) + len(new)} metric names, over "
-                f"the limit of {MAX_METRIC_NAMES} (new here: {', '.join(new[:5])[:300]})",
-            )
-        self._index.add_names(pk, new)
-        return None
-
-    def _run_start(self, conn: Connection, m: RunStart, now: float, side: Side) -> dict[str, Any]:
-        existed = conn.execute(text("SELECT 1 FROM runs WHERE id=:id"), {"id": m.run_id}).first()
-        refused = store.upsert_run(conn, m, now)
-        if refused is not None:
-            return refused
-        pk = self._pk(conn, m.run_id, now)
-        row = conn.execute(text("SELECT step FROM runs WHERE pk=:pk"), {"pk": pk}).first()
-        last = row[0] if row and row[0] is not None else None
-        if m.attempt:  # a replayed run_start repeats its launch's token: counted once
-            new = conn.execute(
-                text(
-                    "INSERT INTO run_attempts(run_pk, attempt, started) VALUES (:pk, :a, :t) "
-                    "ON CONFLICT DO NOTHING"
-                ),
-                {"pk": pk, "a": m.attempt, "t": m.time or now},
-            ).rowcount
-            if new and existed is not None:  # a new launch of a run we know: a restart
-                side.event(
-                    telemetry_store.restart_event(
-                        conn, pk, m.run_id, m.attempt, last, m.time or now
-                    )
-                )
-        return {"ok": True, "type": "run_start", "run_id": m.run_id, "last_step": last}
-
-    def _checkpoint(self, conn: Connection, m: Checkpoint, now: float) -> None:
-        pk = self._pk(conn, m.run_id, now)
-        store.upsert_checkpoint(
-            conn,
-            pk,
-            step=m.step,
-            path=m.path,
-            consumed_tokens=m.consumed_tokens,
-            topology=m.topology,
-            size=m.size,
-            complete=m.complete,
-            created=m.created or now,
-            source="message",
-        )
+            results = [self._handlers.handle(conn, msg, b) for msg in msgs]
+            self._handlers.finish(conn, b)
+        return results, b.rows, b.changed, b.side
