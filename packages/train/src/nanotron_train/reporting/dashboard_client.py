@@ -1,5 +1,9 @@
 """The trainer's side of the dashboard: a background sender that training never waits on.
 
+This module is the queue and its accounting (controls never dropped, metrics replayed after an
+overflow, telemetry bounded) and the sender thread; dashboard_transport.py opens the websocket
+and logs refusals, dashboard_spool.py reads back what to replay.
+
 Messages go into an in-memory queue; a daemon thread sends them over the dashboard's
 websocket (`/ws/ingest`). If the dashboard is down, slow, restarted or the URL is wrong, the
 client logs one warning and keeps retrying; metrics that did not fit in the queue or were
@@ -13,45 +17,22 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import socket
 import threading
 import time
 from collections import deque
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+
+from nanotron_train.reporting.dashboard_spool import jsonable, numeric_values, records_after
+from nanotron_train.reporting.dashboard_transport import Refusals, ingest_url, open_ingest
 
 log = logging.getLogger("nanotron_train.dashboard")
+__all__ = ["DashboardClient", "client_from_config", "ingest_url", "numeric_values"]
 
 _CONTROL = "control"
 _METRICS = "metrics"
 _TELEMETRY = "telemetry"  # rank_stats, pipeline_timeline: the oldest dropped past a bound
-
-
-def ingest_url(url: str) -> str:
-    """`http://host:port[/prefix]` as the dashboard prints it -> `ws://host:port[/prefix]/ws/ingest`."""
-    parts = urlsplit(url.strip())
-    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
-    if scheme is None or not parts.netloc:
-        raise ValueError(f"dashboard url {url!r}: expected http://HOST:PORT")
-    path = parts.path.rstrip("/")
-    return urlunsplit((scheme, parts.netloc, path + "/ws/ingest", "", ""))
-
-
-def numeric_values(record: dict[str, Any]) -> dict[str, float]:
-    """The metric values of a metrics-file record: every number except the step itself."""
-    out: dict[str, float] = {}
-    for k, v in record.items():
-        if k == "step" or isinstance(v, bool):
-            continue
-        if isinstance(v, (int, float)):
-            out[k] = float(v)
-    return out
-
-
-def _jsonable(v: float) -> float | str:
-    return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
 
 
 class DashboardClient:
@@ -93,8 +74,7 @@ class DashboardClient:
         self._warned = False
         self._ws: Any = None
         self.sent = 0  # messages sent (for tests and the final log line)
-        self.refused = 0  # messages the dashboard refused (error frames)
-        self._refusal_logged = -1e9
+        self._refusals = Refusals()
         self._thread = threading.Thread(target=self._loop, name="dashboard-client", daemon=True)
         self._thread.start()
 
@@ -273,36 +253,6 @@ class DashboardClient:
             if not self._closing:
                 self._cv.wait(s)
 
-    def _connect(self) -> bool:
-        from websockets.sync.client import connect
-
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        kwargs = dict(
-            additional_headers=headers,
-            open_timeout=3,
-            close_timeout=1,
-            compression=None,
-            max_size=2**22,
-        )
-        try:
-            try:  # websockets >= 16 wants `legacy=True` for a connection kept outside a `with`
-                ws = connect(self.ws_url, legacy=True, **kwargs)
-            except TypeError:
-                ws = connect(self.ws_url, **kwargs)
-        except Exception as e:
-            self._warn(f"dashboard at {self.url} unreachable ({e}); training continues, retrying")
-            return False
-        self._ws = ws
-        try:
-            if self._start_msg is not None:
-                self._handshake()
-        except Exception as e:
-            self._disconnect(e)
-            return False
-        if self._warned:
-            log.info("dashboard at %s reachable again; replayed missed points", self.url)
-        return True
-
     def _handshake(self) -> None:
         """Send run_start, learn the last step the dashboard holds, replay everything after it."""
         assert self._start_msg is not None
@@ -321,32 +271,39 @@ class DashboardClient:
                 self._items.popleft()
         self._replay()
 
+    def _records_after(self, step: int) -> list[dict[str, Any]]:
+        with self._cv:
+            history = list(self._history) if self._history is not None else None
+        return records_after(step, self.metrics_file, self.start_offset, history)
+
+    def _connect(self) -> bool:
+        try:
+            ws = open_ingest(self.ws_url, self.token)
+        except Exception as e:
+            self._warn(f"dashboard at {self.url} unreachable ({e}); training continues, retrying")
+            return False
+        self._ws = ws
+        try:
+            if self._start_msg is not None:
+                self._handshake()
+        except Exception as e:
+            self._disconnect(e)
+            return False
+        if self._warned:
+            log.info("dashboard at %s reachable again; replayed missed points", self.url)
+        return True
+
+    @property
+    def refused(self) -> int:
+        """Messages the dashboard refused (error frames)."""
+        return self._refusals.count
+
+    def _log_reply(self, reply: dict[str, Any]) -> None:
+        self._refusals.note(reply)
+
     def _replay(self) -> None:
         for rec in self._records_after(self._max_sent):
             self._send_metrics(rec)
-
-    def _records_after(self, step: int) -> list[dict[str, Any]]:
-        if self._history is not None:
-            with self._cv:
-                return [r for r in self._history if r["step"] > step]
-        out: list[dict[str, Any]] = []
-        try:
-            with open(self.metrics_file, "rb") as f:  # type: ignore[arg-type]
-                f.seek(self.start_offset)
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue  # a line being written right now
-                    if (
-                        isinstance(rec, dict)
-                        and isinstance(rec.get("step"), int)
-                        and rec["step"] > step
-                    ):
-                        out.append({"step": rec["step"], **numeric_values(rec)})
-        except OSError:
-            pass
-        return out
 
     def _send_item(self, item: tuple[str, dict[str, Any]]) -> None:
         kind, msg = item
@@ -357,7 +314,7 @@ class DashboardClient:
             self._send(msg)
 
     def _send_metrics(self, rec: dict[str, Any]) -> None:
-        values = {k: _jsonable(v) for k, v in rec.items() if k != "step"}
+        values = {k: jsonable(v) for k, v in rec.items() if k != "step"}
         if values:
             self._send(
                 {
@@ -381,23 +338,6 @@ class DashboardClient:
             except TimeoutError:
                 return
             self._log_reply(json.loads(raw))
-
-    def _log_reply(self, reply: dict[str, Any]) -> None:
-        """A refusal (4xx: a message out of the protocol's bounds) is logged, at most once a
-        minute: a metric refused at every step must not flood the training log."""
-        if reply.get("ok") is not False:
-            return
-        self.refused += 1
-        now = time.monotonic()
-        if now - self._refusal_logged >= 60.0:
-            self._refusal_logged = now
-            log.warning(
-                "dashboard refused a message (HTTP-like status %s): %s (%d refused so far; "
-                "training continues)",
-                reply.get("status"),
-                reply.get("error"),
-                self.refused,
-            )
 
     def _disconnect(self, err: Exception | None) -> None:
         if err is not None:
