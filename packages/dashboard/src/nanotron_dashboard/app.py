@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy.engine import Engine
 
 from . import __version__, api, ingest, telemetry_api
 from .alerts import StallWatch, WebhookSender
@@ -26,6 +29,8 @@ from .series import SeriesCache
 from .telemetry_store import StallCheck
 from .writer import Writer
 
+# The API and page modules: a new view is a module with its router here, plus its script
+ROUTERS = (ingest.router, api.router, telemetry_api.router)
 VENDOR = Path(__file__).parent / "static" / "vendor"
 REQUIRED_ASSETS = ("uPlot.iife.min.js", "uPlot.min.css")
 
@@ -83,7 +88,8 @@ def check_launch(settings: Settings) -> None:
         )
 
 
-def create_app(settings: Settings) -> FastAPI:
+def check_settings(settings: Settings) -> None:
+    """Refuse a server that could not run as asked, before anything is opened."""
     check_assets()
     check_launch(settings)
     if not fits(settings.cache_bytes, settings.queue_bytes):
@@ -93,13 +99,29 @@ def create_app(settings: Settings) -> FastAPI:
         )
     if not settings.stall_after > 0:
         raise StartupConfigError(f"--stall-after {settings.stall_after}: must be > 0 seconds")
-    webhooks = WebhookSender(
-        settings.alert_webhooks,
-        settings.public_url,
-        attempts=settings.webhook_attempts,
-        backoff_s=settings.webhook_backoff_s,
-        timeout_s=settings.webhook_timeout_s,
-    )  # checks the URLs before anything is opened
+
+
+@dataclass
+class Services:
+    """The server's threads and shared state, started together and stopped in reverse."""
+
+    engine: Engine
+    lock: IO
+    hub: Hub
+    cache: SeriesCache
+    writer: Writer
+    webhooks: WebhookSender
+    stall: StallWatch
+
+    def stop(self) -> None:
+        self.stall.stop()
+        self.webhooks.stop()
+        self.writer.stop()
+        self.engine.dispose()
+        self.lock.close()
+
+
+def start_services(settings: Settings, webhooks: WebhookSender) -> Services:
     lock = lock_database(settings.db)  # one server per database file
     try:
         engine = open_database(settings.db)
@@ -127,18 +149,25 @@ def create_app(settings: Settings) -> FastAPI:
         writer.submit, StallCheck(settings.stall_after), stall_check_period(settings.stall_after)
     )
     stall.start()
+    return Services(engine, lock, hub, cache, writer, webhooks, stall)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    check_settings(settings)
+    webhooks = WebhookSender(
+        settings.alert_webhooks,
+        settings.public_url,
+        attempts=settings.webhook_attempts,
+        backoff_s=settings.webhook_backoff_s,
+        timeout_s=settings.webhook_timeout_s,
+    )  # checks the URLs before anything is opened
+    sv = start_services(settings, webhooks)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        import asyncio
-
-        hub.loop = asyncio.get_running_loop()
+        sv.hub.loop = asyncio.get_running_loop()
         yield
-        stall.stop()
-        webhooks.stop()
-        writer.stop()
-        engine.dispose()
-        lock.close()
+        sv.stop()
 
     # FastAPI's /docs and /redoc load scripts from a CDN: off; api.py serves a local page
     app = FastAPI(
@@ -148,25 +177,19 @@ def create_app(settings: Settings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    app.state.settings = settings
-    app.state.engine = engine
-    app.state.cache = cache
-    app.state.writer = writer
-    app.state.hub = hub
-    app.state.webhooks = webhooks
-    app.state.csrf = secrets.token_urlsafe(32)
-    app.state.launcher = Launcher(Path(str(settings.db) + ".launches"))
-    app.state.lock = lock
-    app.include_router(ingest.router)
-    app.include_router(api.router)
-    app.include_router(telemetry_api.router)
+    st = app.state
+    st.settings, st.engine, st.cache, st.writer = settings, sv.engine, sv.cache, sv.writer
+    st.hub, st.webhooks, st.lock = sv.hub, sv.webhooks, sv.lock
+    st.csrf = secrets.token_urlsafe(32)
+    st.launcher = Launcher(Path(str(settings.db) + ".launches"))
+    for router in ROUTERS:
+        app.include_router(router)
     api.error_handlers(app)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
-    cookies = CookieSigner(settings.port)
-    app.state.cookies = cookies
-    app.state.redactor = Redactor([settings.token, settings.launch_token])
+    st.cookies = CookieSigner(settings.port)
+    st.redactor = Redactor([settings.token, settings.launch_token])
     app.add_middleware(
-        AuthMiddleware, access=settings.token, launch=settings.launch_token, cookies=cookies
+        AuthMiddleware, access=settings.token, launch=settings.launch_token, cookies=st.cookies
     )
     # outermost (added last): the Host and Origin checks run before anything else
     app.add_middleware(BrowserGuard, hosts=HostPolicy(settings.host, settings.allowed_hosts))

@@ -75,20 +75,18 @@ def _cursor(value: str) -> tuple[float, int]:
         raise DashboardError(f"cursor {value[:50]!r} is not one this server gave out") from None
 
 
-def list_runs(
-    conn: Connection,
+def _run_filters(
+    now: float,
     stall_s: float,
-    project: str | None = None,
-    status: str | None = None,
-    name: str | None = None,
-    ids: list[str] | None = None,
-    limit: int | None = None,
-    cursor: str | None = None,
-    tag: str | None = None,
-) -> tuple[list[dict[str, Any]], str | None]:
-    """Newest first; with `limit`, one page and the cursor of the next one (None at the end)."""
-    now = time.time()
-    where, params = [], {}
+    project: str | None,
+    status: str | None,
+    name: str | None,
+    ids: list[str] | None,
+    tag: str | None,
+) -> tuple[list[str], dict[str, Any]]:
+    """The run list's WHERE clauses and their parameters."""
+    where: list[str] = []
+    params: dict[str, Any] = {}
     if project:
         where.append("project = :project")
         params["project"] = project
@@ -113,6 +111,56 @@ def list_runs(
             }.get(status, "status = :status")
         )
         params["status"] = status
+    return where, params
+
+
+def _summaries(conn: Connection, rows: list[Any], stall_s: float, now: float) -> list[dict]:
+    """Each run's summary: its latest values, NaN flag, event badges and tags."""
+    if not rows:
+        return []
+    last: dict[int, dict[str, Any]] = {r.pk: {} for r in rows}
+    flags: dict[int, Any] = {}
+    pks = {"pks": json.dumps(list(last))}
+    for pk, mname, value in conn.execute(
+        text(
+            "SELECT run_pk, name, value FROM latest WHERE run_pk IN "
+            "(SELECT value FROM json_each(:pks))"
+        ),
+        pks,
+    ):
+        last[pk][mname] = json_float(value)
+    for pk, step, mname in conn.execute(
+        text(
+            "SELECT run_pk, step, name FROM run_nonfinite WHERE run_pk IN "
+            "(SELECT value FROM json_each(:pks))"
+        ),
+        pks,
+    ):
+        flags[pk] = (step, mname)
+    out = [_summary(r, last[r.pk], flags.get(r.pk), stall_s, now) for r in rows]
+    pk_list = [r.pk for r in rows]
+    badges = telemetry_queries.event_badges(conn, pk_list)
+    labels = telemetry_queries.labels(conn, pk_list)
+    for r, summary in zip(rows, out):
+        summary["events"] = badges.get(r.pk, {})  # kind -> {count, worst severity}
+        summary["tags"] = labels.get(r.pk, ([], ""))[0]
+    return out
+
+
+def list_runs(
+    conn: Connection,
+    stall_s: float,
+    project: str | None = None,
+    status: str | None = None,
+    name: str | None = None,
+    ids: list[str] | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+    tag: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Newest first; with `limit`, one page and the cursor of the next one (None at the end)."""
+    now = time.time()
+    where, params = _run_filters(now, stall_s, project, status, name, ids, tag)
     order = "COALESCE(started, 0)"
     if cursor:
         params["c_started"], params["c_pk"] = _cursor(cursor)
@@ -128,37 +176,8 @@ def list_runs(
     next_cursor = None
     if limit is not None and len(rows) > limit:
         rows = rows[:limit]
-        last_row = rows[-1]
-        next_cursor = f"{last_row.started or 0.0!r}_{last_row.pk}"
-    last: dict[int, dict[str, Any]] = {r.pk: {} for r in rows}
-    flags: dict[int, Any] = {}
-    if rows:
-        pks = {"pks": json.dumps(list(last))}
-        for pk, mname, value in conn.execute(
-            text(
-                "SELECT run_pk, name, value FROM latest WHERE run_pk IN "
-                "(SELECT value FROM json_each(:pks))"
-            ),
-            pks,
-        ):
-            last[pk][mname] = json_float(value)
-        for pk, step, mname in conn.execute(
-            text(
-                "SELECT run_pk, step, name FROM run_nonfinite WHERE run_pk IN "
-                "(SELECT value FROM json_each(:pks))"
-            ),
-            pks,
-        ):
-            flags[pk] = (step, mname)
-    out = [_summary(r, last[r.pk], flags.get(r.pk), stall_s, now) for r in rows]
-    if rows:
-        pk_list = [r.pk for r in rows]
-        badges = telemetry_queries.event_badges(conn, pk_list)
-        labels = telemetry_queries.labels(conn, pk_list)
-        for r, summary in zip(rows, out):
-            summary["events"] = badges.get(r.pk, {})  # kind -> {count, worst severity}
-            summary["tags"] = labels.get(r.pk, ([], ""))[0]
-    return out, next_cursor
+        next_cursor = f"{rows[-1].started or 0.0!r}_{rows[-1].pk}"
+    return _summaries(conn, rows, stall_s, now), next_cursor
 
 
 def run_row(conn: Connection, run_id: str) -> Any:
@@ -207,6 +226,25 @@ def get_run(conn: Connection, run_id: str, stall_s: float) -> dict[str, Any]:
     }
 
 
+def _checkpoint_entry(
+    row: Any, command: list[str], cid: Any, step: int, path: str, **f: Any
+) -> dict:
+    return {
+        "id": cid,
+        "step": step,
+        "path": path,
+        **f,
+        "resume_command": resume_command(command, path) if command else None,
+        # what the copy button copies: runnable from any directory
+        "resume_shell": (
+            f"cd {shlex.quote(row.cwd)} && {resume_command(command, path)}"
+            if command and row.cwd
+            else None
+        ),
+        "cwd": row.cwd,
+    }
+
+
 def list_checkpoints(
     conn: Connection, run_id: str, on_disk: list[Any] | None = None
 ) -> list[dict[str, Any]]:
@@ -215,23 +253,6 @@ def list_checkpoints(
     row = run_row(conn, run_id)
     command = json.loads(row.command)
     found = {c.step: c for c in on_disk or []}
-
-    def entry(cid: Any, step: int, path: str, **f: Any) -> dict[str, Any]:
-        return {
-            "id": cid,
-            "step": step,
-            "path": path,
-            **f,
-            "resume_command": resume_command(command, path) if command else None,
-            # what the copy button copies: runnable from any directory
-            "resume_shell": (
-                f"cd {shlex.quote(row.cwd)} && {resume_command(command, path)}"
-                if command and row.cwd
-                else None
-            ),
-            "cwd": row.cwd,
-        }
-
     out = []
     for c in conn.execute(
         text(
@@ -242,7 +263,9 @@ def list_checkpoints(
     ):
         disk = found.pop(c.step, None)
         out.append(
-            entry(
+            _checkpoint_entry(
+                row,
+                command,
                 c.id,
                 c.step,
                 c.path,
@@ -256,7 +279,9 @@ def list_checkpoints(
         )
     for d in found.values():
         out.append(
-            entry(
+            _checkpoint_entry(
+                row,
+                command,
                 None,
                 d.step,
                 d.path,

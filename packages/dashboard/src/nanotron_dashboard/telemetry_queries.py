@@ -20,6 +20,21 @@ def _floats(a: np.ndarray) -> list[float | None]:
     return [None if v != v else float(v) for v in a.tolist()]  # NaN (a null) -> None
 
 
+def _ranks_of(conn: Connection, pk: int, step: int) -> list[dict[str, Any]]:
+    """The ranks of one interval, by rank, with their coordinates and hosts."""
+    newest = conn.exec_driver_sql(
+        "SELECT n, coords, hosts FROM rank_stats WHERE run_pk=? AND step=?", (pk, step)
+    ).first()
+    coords = np.frombuffer(newest[1], dtype="<i8").reshape(newest[0], 5)
+    order = np.argsort(coords[:, 0], kind="stable")
+    hosts = json.loads(newest[2])
+    return [
+        {"rank": int(c[0]), "dp": int(c[1]), "tp": int(c[2]), "pp": int(c[3]), "cp": int(c[4]),
+         "host": hosts[i]}
+        for c, i in zip(coords[order], order.tolist())
+    ]  # fmt: skip
+
+
 def rank_stats(
     conn: Connection,
     pk: int,
@@ -50,19 +65,8 @@ def rank_stats(
     out |= {"intervals": [], "ranks": [], "values": {f: [] for f in fields}}
     if not steps:
         return out
-    newest = conn.exec_driver_sql(
-        "SELECT n, coords, hosts FROM rank_stats WHERE run_pk=? AND step=?", (pk, steps[-1])
-    ).first()
-    coords = np.frombuffer(newest[1], dtype="<i8").reshape(newest[0], 5)
-    order = np.argsort(coords[:, 0], kind="stable")
-    coords = coords[order]
-    hosts = json.loads(newest[2])
-    out["ranks"] = [
-        {"rank": int(c[0]), "dp": int(c[1]), "tp": int(c[2]), "pp": int(c[3]), "cp": int(c[4]),
-         "host": hosts[i]}
-        for c, i in zip(coords, order.tolist())
-    ]  # fmt: skip
-    row_of = {int(r): i for i, r in enumerate(coords[:, 0])}
+    out["ranks"] = _ranks_of(conn, pk, steps[-1])
+    row_of = {r["rank"]: i for i, r in enumerate(out["ranks"])}
     budget = max(1, HEATMAP_NUMBERS // (len(row_of) * max(len(fields), 1)))
     k = max(1, min(max_steps, budget, len(steps)))
     picked = sorted({steps[int(round(i))] for i in np.linspace(0, len(steps) - 1, k)})
