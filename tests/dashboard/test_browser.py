@@ -170,7 +170,7 @@ def test_page_stays_fluid_with_100k_steps(browser, live_dashboard):
 
 
 def test_nan_is_shown_as_a_badge_and_a_gap(browser, live_dashboard):
-    """Issue 13: NaN/inf values are training events: stored, a badge on the run, a gap in the
+    """NaN/inf values are training events: stored, a badge on the run, a gap in the
     line (not bridged), and listed under the chart."""
     d = live_dashboard
     d.post("/api/ingest", {"type": "run_start", "run_id": "br-nan", "name": "nan run"})

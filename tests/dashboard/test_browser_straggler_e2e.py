@@ -1,4 +1,4 @@
-"""End to end, issue 19's straggler: a real 4-process run (dp=2 x pp=2, gloo) streams to a real
+"""End to end, the straggler view: a real 4-process run (dp=2 x pp=2, gloo) streams to a real
 dashboard while the test slows one worker from outside (SIGSTOP/SIGCONT in a loop, rank 3:
 dp=1 tp=0 pp=1); then real Chromium on the run page. What the trainer measured must be what
 the dashboard stored (REST) and what the page draws: the slowed rank's heatmap row framed and

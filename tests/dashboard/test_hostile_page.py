@@ -1,4 +1,4 @@
-"""Issue 13 in real Chromium: a hostile page served from a second local port attacks the
+"""Cross-site defences in real Chromium: a hostile page served from a second local port attacks the
 dashboard (--allow-launch, no token) with a form POST, fetch(no-cors), an iframe of the run
 page and websockets, and DNS rebinding reaches it under a foreign name. None of it may
 change a run, launch a command, or read data."""

@@ -1,4 +1,4 @@
-"""Issue 13, findings 6-12: hostile or broken input gets a 4xx with a reason (never a 500,
+"""Input hardening (security review findings 6-12): hostile or broken input gets a 4xx with a reason (never a 500,
 never a dropped websocket), stored data stays readable, memory and the database stay bounded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13, findings 1-5: a hostile page (cross-site requests, DNS rebinding, framing), token
+"""Threats (security review findings 1-5): a hostile page (cross-site requests, DNS rebinding, framing), token
 hygiene and launch safety. Each test asserts the refusal and that the stored run is unchanged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 19: `--alert-webhook URL`: one JSON POST per stored event (trainer's and derived),
+"""Alert webhooks: `--alert-webhook URL`: one JSON POST per stored event (trainer's and derived),
 retried with back-off then given up with a log line, never blocking ingest."""
 
 from __future__ import annotations
