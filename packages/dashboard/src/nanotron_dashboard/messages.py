@@ -99,8 +99,8 @@ class RunEnd(Msg):
     time: Finite | None = None
 
 
-# A new message type: a model above with bounded fields, added to this union and handled in
-# writer.Writer._apply.
+# A new message type: a model above with bounded fields, added to this union, and its entry
+# in writer_handlers.Handlers.table (docs/internals-dashboard.md).
 AnyMessage = (
     RunStart
     | Metrics
