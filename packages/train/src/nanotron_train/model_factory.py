@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from nanotron_models import LlamaConfig
 from nanotron_models.config import DTYPES
-from nanotron_models.flops import llama_block_costs, llama_block_names
-from nanotron_models.model import LlamaStage, build_llama_stage
+from nanotron_models.families import family_of
+from nanotron_models.model import LlamaStage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.pipeline import engine, stage_block_names
 from nanotron_train.config.schema import Config, ModelArgs
@@ -40,9 +40,10 @@ def build_model(
     mc = padded_model_config(model)
     stage = pc.pp_rank if stage is None else stage
     num_stages = pc.pp_size if num_stages is None else num_stages
-    names = llama_block_names(mc)
-    costs = llama_block_costs(mc, sequence_length)
-    return build_llama_stage(
+    family = family_of(mc)
+    names = family.block_names(mc)
+    costs = family.block_costs(mc, sequence_length)
+    return family.build_stage(
         mc,
         pc,
         stage_block_names(names, costs, num_stages, stage),
