@@ -16,13 +16,18 @@ from typing import Any
 
 from torch import nn
 
-from . import hf
 from .config import LlamaConfig, ModelConfigError
 from .flops import (
     llama_block_costs,
     llama_block_names,
     num_parameters,
     training_flops_per_token,
+)
+from .hf import (
+    config_from_hf,
+    config_to_hf,
+    hf_state_dict_to_ours_full,
+    our_full_state_dict_to_hf,
 )
 from .init import InitSpec, llama_init_spec
 from .model import TIED_KEY, build_llama_stage
@@ -76,10 +81,10 @@ LLAMA = ModelFamily(
     hf=HFMapping(
         model_type="llama",
         architectures=("LlamaForCausalLM",),
-        config_from_hf=hf.config_from_hf,
-        config_to_hf=hf.config_to_hf,
-        state_dict_from_hf=hf.hf_state_dict_to_ours_full,
-        state_dict_to_hf=hf.our_full_state_dict_to_hf,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        state_dict_from_hf=hf_state_dict_to_ours_full,
+        state_dict_to_hf=our_full_state_dict_to_hf,
     ),
 )
 
