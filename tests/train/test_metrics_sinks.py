@@ -24,13 +24,8 @@ from nanotron_train.reporting.dashboard_sink import (
     new_run_id,
     resumed_from,
 )
-from nanotron_train.reporting.metrics import (
-    MetricsLogger,
-    MetricsSinkError,
-    RunInfo,
-    StepMeasure,
-    make_record,
-)
+from nanotron_train.reporting.metrics import MetricsLogger, MetricsSinkError, RunInfo
+from nanotron_train.reporting.record import StepMeasure, make_record
 
 
 def records(n: int = 3) -> list[dict]:
@@ -371,7 +366,7 @@ def test_each_file_record_names_its_run_and_attempt(tmp_path, monkeypatch):
 )
 def test_sizes_in_binary_units_in_step_lines_and_checkpoint_listings(memory, shown):
     from nanotron_train.checkpoints.listing import CheckpointEntry, to_table
-    from nanotron_train.reporting.metrics import format_line
+    from nanotron_train.reporting.step_line import format_line
 
     rec = {**records(1)[0], "memory": memory}
     assert format_line(rec, 10).endswith(f" | memory: {shown}")

@@ -37,28 +37,7 @@ def _base(
         },
         "tokenizer": {"tokenizer_name_or_path": None},
         "tokens": tokens,
-        "optimizer": {
-            "zero_stage": 0,
-            "weight_decay": 0.01,
-            "weight_decay_exclude_named_params": [".*norm.*", ".*bias"],
-            "clip_grad": 1.0,
-            "accumulate_grad_in_fp32": True,
-            "learning_rate_scheduler": {
-                "learning_rate": lr,
-                "lr_warmup_steps": 10,
-                "lr_warmup_style": "linear",
-                "lr_decay_style": "cosine",
-                "lr_decay_steps": None,
-                "min_decay_lr": min_lr,
-            },
-            "optimizer_factory": {
-                "name": "adamW",
-                "adam_beta1": 0.9,
-                "adam_beta2": 0.95,
-                "adam_eps": 1.0e-8,
-                "torch_adam_is_fused": False,
-            },
-        },
+        "optimizer": _optimizer(lr, min_lr),
         "checkpoints": {
             "checkpoints_path": "checkpoints",
             "checkpoint_interval": 100,
@@ -76,6 +55,32 @@ def _base(
             "iteration_step_info_interval": 1,
             "log_level": "info",
             "metrics_file": "metrics.jsonl",
+        },
+    }
+
+
+def _optimizer(lr: float, min_lr: float) -> dict[str, Any]:
+    """AdamW with a linear warm-up and a cosine decay from `lr` to `min_lr`."""
+    return {
+        "zero_stage": 0,
+        "weight_decay": 0.01,
+        "weight_decay_exclude_named_params": [".*norm.*", ".*bias"],
+        "clip_grad": 1.0,
+        "accumulate_grad_in_fp32": True,
+        "learning_rate_scheduler": {
+            "learning_rate": lr,
+            "lr_warmup_steps": 10,
+            "lr_warmup_style": "linear",
+            "lr_decay_style": "cosine",
+            "lr_decay_steps": None,
+            "min_decay_lr": min_lr,
+        },
+        "optimizer_factory": {
+            "name": "adamW",
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.95,
+            "adam_eps": 1.0e-8,
+            "torch_adam_is_fused": False,
         },
     }
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TextIO
@@ -27,18 +26,15 @@ import torch
 import torch.distributed as dist
 
 from nanotron_models.blocks import Loss
-from nanotron_models.config import DTYPES
-from nanotron_models.flops import training_flops_per_token
 from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.context_parallel import split_batch
-from nanotron_parallel.pipeline import loss_on_all_pp_ranks, run_pipeline_step
+from nanotron_parallel.pipeline import run_pipeline_step
 from nanotron_train.checkpoints.hooks import Checkpointing
 from nanotron_train.config.memory_estimate import check_memory
 from nanotron_train.config.schema import Config
 from nanotron_train.data.source import build_data
 from nanotron_train.eval.evaluation import build_evaluator
-from nanotron_train.fault.nonfinite import stop as nonfinite_stop
 from nanotron_train.fault.sanity import SanityCheckError, check_dp_replicas
 from nanotron_train.fault.session import FaultTolerance
 from nanotron_train.interop.initial_weights import load_initial_weights
@@ -49,15 +45,10 @@ from nanotron_train.parallelize import parallelize
 from nanotron_train.reporting.benchmark_csv import append_row, benchmark_row
 from nanotron_train.reporting.dashboard_sink import checkpoint_run_id
 from nanotron_train.reporting.log_levels import configure_logging, prints_step_lines
-from nanotron_train.reporting.metrics import (
-    MetricsLogger,
-    StepMeasure,
-    build_metrics_logger,
-    device_peak_tflops,
-    make_record,
-    peak_memory_bytes,
-)
+from nanotron_train.reporting.metrics import MetricsLogger, build_metrics_logger
 from nanotron_train.reporting.profiling import StepProfiler
+from nanotron_train.reporting.record import StepTimer
+from nanotron_train.step_record import StepRecorder
 from nanotron_train.telemetry.samples import SampleMaker
 from nanotron_train.telemetry.session import Telemetry
 from nanotron_train.train_state import StepOutput, TrainState
@@ -78,29 +69,11 @@ class Trainer:
         # order, tp mode, recompute, compile, pipeline chunks and data parallel / ZeRO.
         par_model = parallelize(build_stage_chunks(cfg, pc), cfg, pc)
         model, self.tied, self.grads = par_model.model, par_model.tied, par_model.grads
-        init_path = cfg.model.init_method.path
-        if init_path and not cfg.checkpoints.resume_checkpoint_path:  # ExistingCheckpointInit
-            mc = padded_model_config(cfg.model)  # before the optimizer copies any master weight
-            with self.grads.full_parameters():  # ZeRO-3: written back to the shards
-                load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
+        self._load_initial_weights(model)  # before the optimizer copies any master weight
         self.zero_stage = par_model.zero_stage
-        named = list(model.named_parameters())
-        self.named_params = named
-        opt = cfg.optimizer
-        dtype = DTYPES[cfg.model.dtype]
-        names = {id(p): n for n, p in named}
-        pieces = build_pieces(
-            self.grads.owned_pieces(),
-            names,
-            exclude_from_decay=opt.weight_decay_exclude_named_params,
-        )
-        optimizer = AdamWOnPieces(
-            pieces,
-            lr=opt.learning_rate_scheduler.learning_rate,
-            weight_decay=opt.weight_decay,
-            **optimizer_kwargs(opt.optimizer_factory),
-        )
-        schedule = build_lr_schedule(opt.learning_rate_scheduler, cfg.tokens.train_steps)
+        self.named_params = list(model.named_parameters())
+        optimizer = self._build_optimizer()
+        schedule = build_lr_schedule(cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps)
         data = build_data(cfg, pc)
         self.state = TrainState(model, optimizer, schedule, data)
         self.evaluator = build_evaluator(cfg, pc, model, data)  # None without `validation`
@@ -113,33 +86,68 @@ class Trainer:
         except BaseException:
             self.fault.close()  # signal handlers back, watchdog stopped
             raise
-        # The flat gradient views the norm reads and clipping scales, found once.
-        counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
-        self.norm_views = self.grads.grad_norm_views(counts)
-        self.clip_views = self.grads.owned_grads()
-        # z-loss: the loss blocks of this rank (last stage) sum it per micro-batch on the device.
-        self.z_loss_blocks = (
-            [m for m in model.modules() if isinstance(m, Loss)]
-            if cfg.model.model_config.z_loss_enabled
-            else []
+        self._find_step_tensors(model)
+        self.records = StepRecorder(
+            cfg.model, cfg.global_batch_size, pc, self.fault, self.named_params, self.grads
         )
-        self.model_config = padded_model_config(cfg.model)
-        self.peak_tflops = device_peak_tflops(pc.device, dtype)
         self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
-        self.logger: MetricsLogger | None = None
         # `train()` sets it: run_end goes out after the process groups are torn down.
         self.report_end_later = False
-        if pc.rank == 0:  # stdout, metrics file, TensorBoard, wandb, dashboard
-            shown = stream if prints_step_lines(level) else None
-            self.logger = build_metrics_logger(
-                cfg, pc, shown, resumed_step=self.last_saved, run_id=self._resumed_run_id()
-            )
-            # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
-            self.state.extra["run_id"] = self.logger.run_id
+        self.logger = self._open_logger(stream, level)  # rank 0's sinks, else None
         # Per-rank stats, stragglers, pipeline timeline, events (telemetry/); rank 0 sends.
         self.telemetry = Telemetry(cfg, pc, lambda: self.logger, self.fault.watchdog)
         # None without logging.sample_prompts; ZeRO-3 gathers the parameters through grads
         self.samples = SampleMaker.build(cfg, pc, model, self.grads)
+
+    def _load_initial_weights(self, model) -> None:
+        """model.init_method.path (ExistingCheckpointInit), unless the run resumes."""
+        cfg, pc = self.cfg, self.pc
+        init_path = cfg.model.init_method.path
+        if init_path and not cfg.checkpoints.resume_checkpoint_path:
+            mc = padded_model_config(cfg.model)
+            with self.grads.full_parameters():  # ZeRO-3: written back to the shards
+                load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
+
+    def _build_optimizer(self) -> AdamWOnPieces:
+        """AdamW over the pieces of the parameters this rank owns (all of them without ZeRO)."""
+        opt = self.cfg.optimizer
+        names = {id(p): n for n, p in self.named_params}
+        pieces = build_pieces(
+            self.grads.owned_pieces(),
+            names,
+            exclude_from_decay=opt.weight_decay_exclude_named_params,
+        )
+        return AdamWOnPieces(
+            pieces,
+            lr=opt.learning_rate_scheduler.learning_rate,
+            weight_decay=opt.weight_decay,
+            **optimizer_kwargs(opt.optimizer_factory),
+        )
+
+    def _find_step_tensors(self, model) -> None:
+        """What every step reads, found once: the flat gradient views the norm reads and
+        clipping scales; with z-loss, the loss blocks of this rank (last stage), which sum it
+        per micro-batch on the device."""
+        counts = default_counts_in_norm(self.pc.tp_rank, self.pc.is_first_stage)
+        self.norm_views = self.grads.grad_norm_views(counts)
+        self.clip_views = self.grads.owned_grads()
+        self.z_loss_blocks = (
+            [m for m in model.modules() if isinstance(m, Loss)]
+            if self.cfg.model.model_config.z_loss_enabled
+            else []
+        )
+
+    def _open_logger(self, stream: TextIO, level: str) -> MetricsLogger | None:
+        """Rank 0's sinks (stdout, metrics file, TensorBoard, wandb, dashboard); None elsewhere."""
+        if self.pc.rank != 0:
+            return None
+        shown = stream if prints_step_lines(level) else None
+        logger = build_metrics_logger(
+            self.cfg, self.pc, shown, resumed_step=self.last_saved, run_id=self._resumed_run_id()
+        )
+        # Checkpoints name the run that wrote them, so the dashboard links a resumed run.
+        self.state.extra["run_id"] = logger.run_id
+        return logger
 
     def train_step(self) -> StepOutput:
         """One optimizer step. Nothing in it waits for the device, except on a step that will be
@@ -183,12 +191,8 @@ class Trainer:
         action, host_values = "ok", None
         logged = step % cfg.logging.iteration_step_info_interval == 0
         if logged or self.fault.nonfinite.policy != "stop":
-            host_values = (self._global_mean_loss(result.loss_tensor), float(norm))
-            action = self.fault.nonfinite.check(*host_values)
-            if action == "stop":
-                raise nonfinite_stop(
-                    step, *host_values, self.named_params, pc, self.grads.local_grads
-                )
+            host_values = (self.records.global_mean_loss(result.loss_tensor), float(norm))
+            action = self.records.check_finite(step, *host_values)  # raises under `stop`
         if action == "ok":
             with tm.span("optimizer"):
                 if cfg.optimizer.clip_grad is not None:
@@ -218,41 +222,7 @@ class Trainer:
         """The metrics record of a step: reads the loss and the norm on the host (a sync, and
         collective over pp and dp for the loss: every rank calls it for the same steps).
         Under the `stop` policy a non-finite loss or norm stops the run here."""
-        cfg, pc = self.cfg, self.pc
-        if out.host_values is not None:
-            loss, norm = out.host_values
-        else:
-            loss, norm = self._global_mean_loss(out.loss), float(out.grad_norm)
-        action = out.action
-        if out.host_values is None:  # an unlogged step under `stop`: checked now
-            action = self.fault.nonfinite.check(loss, norm)
-            if action == "stop":
-                raise nonfinite_stop(
-                    out.step, loss, norm, self.named_params, pc, self.grads.local_grads
-                )
-        tokens = cfg.global_batch_size * out.sequence_length
-        measure = StepMeasure(
-            out.step, self.state.consumed_tokens, loss, norm, out.lr, seconds_per_step, tokens
-        )
-        record = make_record(
-            measure,
-            pc.world_size,
-            training_flops_per_token(self.model_config, out.sequence_length),
-            self.peak_tflops,
-            peak_memory_bytes(pc.device),
-            cfg.global_batch_size,
-        )
-        if cfg.model.model_config.z_loss_enabled:  # the same condition on every rank
-            record["z_loss"] = self._global_mean_loss(out.z_loss)  # lm_loss includes it
-        return self.fault.annotate(record, action)
-
-    def _global_mean_loss(self, last_stage_loss: torch.Tensor | None) -> float:
-        """Mean over the global batch: the last stage's micro-batch mean, averaged over dp x cp
-        (a cp rank's loss is cp times its share of the sequence's mean: see Loss)."""
-        loss = loss_on_all_pp_ranks(last_stage_loss, self.pc)
-        if self.pc.dp_cp_size > 1:
-            dist.all_reduce(loss, group=self.pc.dp_cp_group)
-        return float(loss) / self.pc.dp_cp_size
+        return self.records.record(out, seconds_per_step, self.state.consumed_tokens)
 
     def train(
         self,
@@ -265,52 +235,26 @@ class Trainer:
         of general.benchmark_csv_path, when set, for its summary row). `every_step` (tests,
         tools) makes a record of every step for `on_record`, logging only the usual ones: it
         reads the loss and norm every step."""
-        interval = self.cfg.logging.iteration_step_info_interval
         csv_path = self.cfg.general.benchmark_csv_path
-        bench_records: list[dict[str, Any]] = []
+        bench_records: list[dict[str, Any]] | None = [] if csv_path else None
         last: dict[str, Any] | None = None
         try:
             self._saved(self.checkpoints.save_initial())  # checkpoints.save_initial_state
-            since, steps_since = time.perf_counter(), 0
+            timer = StepTimer(self.pc.device)
             while self.state.step < self.cfg.tokens.train_steps:
                 out = self.train_step()
-                steps_since += 1
-                # not a step about to be rolled back; collective: every rank evaluates
-                due = self.evaluator and self.evaluator.due(out.step, self.cfg.tokens.train_steps)
-                evaluate = due and out.action != "rollback"
-                logged = out.step % interval == 0 or out.action != "ok" or evaluate
-                if logged or every_step:
-                    if self.pc.device.type == "cuda":
-                        torch.cuda.synchronize(self.pc.device)
-                    seconds = (time.perf_counter() - since) / steps_since
-                    last = self.step_record(out, seconds)
-                    if evaluate:
-                        last.update(self.evaluator.evaluate().metrics())
-                    if self.logger is not None and logged:  # + events and system/* metrics
-                        self.logger.log(self.telemetry.on_record(last))
-                    if on_record is not None:
-                        on_record(last)
-                    if csv_path and logged:
-                        bench_records.append(last)
-                    since, steps_since = time.perf_counter(), 0  # time steps, not logging
+                timer.count()
+                record = self._record_if_due(out, timer, every_step, on_record, bench_records)
+                last = record if record is not None else last
                 self.telemetry.after_step(out.step)  # rank stats, timeline: collective
                 if out.action == "rollback":
                     self.fault.rolled_back(self.state.step, self.checkpoints.rollback(), self.pc)
                     continue
-                stop = self.fault.preemption.stop_now(self.state.step)
-                before = self.checkpoints.last_saved
-                saved = self.checkpoints.after_step(force=stop)
-                self._saved(saved)
-                if self.samples is not None and self.checkpoints.last_saved != before:
-                    self.samples.make(self.state.step, self.logger)  # a save began: samples
+                stop, saved = self._save_if_due()
                 if stop:
-                    self._saved(self.checkpoints.wait())
-                    if self.logger is not None:
-                        self.telemetry.preempted(self.state.step, self.fault, self.last_saved)
-                        self.logger.end_status = "preempted"
                     break
                 if saved:
-                    since, steps_since = time.perf_counter(), 0
+                    timer.restart()
             self._saved(self.checkpoints.wait())
         except BaseException as exc:  # the dashboard shows the run as failed, with the error
             self.telemetry.on_failure(exc)  # a non-finite stop is also an event
@@ -325,6 +269,46 @@ class Trainer:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.pc.world_size))
             append_row(csv_path, benchmark_row(self.cfg, bench_records, self.pc.world_size, local))
         return last
+
+    def _record_if_due(self, out: StepOutput, timer: StepTimer, every_step: bool, on_record,
+                       bench_records: list | None) -> dict[str, Any] | None:  # fmt: skip
+        """The record of a logged step (interval, non-finite, evaluation), or of any step with
+        `every_step`: evaluated when due, logged (rank 0), passed to `on_record`, kept for the
+        benchmark row. None on a step without a record."""
+        # not a step about to be rolled back; collective: every rank evaluates
+        due = self.evaluator and self.evaluator.due(out.step, self.cfg.tokens.train_steps)
+        evaluate = due and out.action != "rollback"
+        interval = self.cfg.logging.iteration_step_info_interval
+        logged = out.step % interval == 0 or out.action != "ok" or evaluate
+        if not (logged or every_step):
+            return None
+        record = self.step_record(out, timer.seconds_per_step())
+        if evaluate:
+            record.update(self.evaluator.evaluate().metrics())
+        if self.logger is not None and logged:  # + events and system/* metrics
+            self.logger.log(self.telemetry.on_record(record))
+        if on_record is not None:
+            on_record(record)
+        if bench_records is not None and logged:
+            bench_records.append(record)
+        timer.restart()  # time steps, not logging
+        return record
+
+    def _save_if_due(self) -> tuple[bool, list]:
+        """Save when due, at once when preempted (then wait for it and stop); samples when a
+        save began. Returns (stop, the saves that finished)."""
+        stop = self.fault.preemption.stop_now(self.state.step)
+        before = self.checkpoints.last_saved
+        saved = self.checkpoints.after_step(force=stop)
+        self._saved(saved)
+        if self.samples is not None and self.checkpoints.last_saved != before:
+            self.samples.make(self.state.step, self.logger)  # a save began: samples
+        if stop:
+            self._saved(self.checkpoints.wait())
+            if self.logger is not None:
+                self.telemetry.preempted(self.state.step, self.fault, self.last_saved)
+                self.logger.end_status = "preempted"
+        return stop, saved
 
     def _saved(self, folders) -> None:
         for folder in folders:

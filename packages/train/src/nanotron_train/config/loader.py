@@ -31,39 +31,11 @@ def convert(value: Any, tp: Any, key: str, source: str) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(key, "a value is required, got null", source)
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return convert(value, arg, key, source)
-            except ConfigError as exc:
-                errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        raise ConfigError(
-            key,
-            f"expected {_type_name(tp)}, got {type(value).__name__} {_value_repr(value)}",
-            source,
-        )
+        return _convert_union(value, tp, key, source)
     if value is None:
         raise ConfigError(key, f"a value is required (expected {_type_name(tp)}), got null", source)
     if origin is Literal:
-        allowed = typing.get_args(tp)
-        if isinstance(value, str) and value not in allowed:
-            # Enum names are case-insensitive, as Nanotron's (it upper-cases tp_mode & co).
-            same = [a for a in allowed if isinstance(a, str) and a.lower() == value.lower()]
-            value = same[0] if len(same) == 1 else value
-        if value not in allowed:
-            raise ConfigError(
-                key, f"must be one of {list(allowed)}, got {_value_repr(value)}", source
-            )
-        return value
+        return _convert_literal(value, tp, key, source)
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
             raise ConfigError(key, f"expected a list, got {type(value).__name__}", source)
@@ -76,23 +48,68 @@ def convert(value: Any, tp: Any, key: str, source: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key, source)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _convert_enum(value, tp, key, source)
+    if tp in (bool, int, float, str):
+        return _convert_scalar(value, tp, key, source)
+    raise TypeError(f"unsupported type hint {tp!r} for {key}")  # a bug in our dataclasses
+
+
+def _convert_union(value: Any, tp: Any, key: str, source: str) -> Any:
+    """The first member of the union that takes `value`; null only where None is a member."""
+    args = typing.get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(key, "a value is required, got null", source)
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
         try:
-            return tp(value)
-        except ValueError:
-            allowed = [m.value for m in tp]
-            raise ConfigError(
-                key, f"must be one of {allowed}, got {_value_repr(value)}", source
-            ) from None
+            return convert(value, arg, key, source)
+        except ConfigError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    raise ConfigError(
+        key,
+        f"expected {_type_name(tp)}, got {type(value).__name__} {_value_repr(value)}",
+        source,
+    )
+
+
+def _convert_literal(value: Any, tp: Any, key: str, source: str) -> Any:
+    allowed = typing.get_args(tp)
+    if isinstance(value, str) and value not in allowed:
+        # Enum names are case-insensitive, as Nanotron's (it upper-cases tp_mode & co).
+        same = [a for a in allowed if isinstance(a, str) and a.lower() == value.lower()]
+        value = same[0] if len(same) == 1 else value
+    if value not in allowed:
+        raise ConfigError(key, f"must be one of {list(allowed)}, got {_value_repr(value)}", source)
+    return value
+
+
+def _convert_enum(value: Any, tp: type[enum.Enum], key: str, source: str) -> enum.Enum:
+    try:
+        return tp(value)
+    except ValueError:
+        allowed = [m.value for m in tp]
+        raise ConfigError(
+            key, f"must be one of {allowed}, got {_value_repr(value)}", source
+        ) from None
+
+
+_EXPECTED = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _convert_scalar(value: Any, tp: type, key: str, source: str) -> Any:
+    """bool, int, float or str: no silent casts, except a float written as a number or string."""
     if tp is bool:
         if isinstance(value, bool):
             return value
         raise ConfigError(key, f"expected true or false, got {_value_repr(value)}", source)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(
-            key, f"expected an integer, got {type(value).__name__} {_value_repr(value)}", source
-        )
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
@@ -102,16 +119,10 @@ def convert(value: Any, tp: Any, key: str, source: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(
-            key, f"expected a number, got {type(value).__name__} {_value_repr(value)}", source
-        )
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(
-            key, f"expected a string, got {type(value).__name__} {_value_repr(value)}", source
-        )
-    raise TypeError(f"unsupported type hint {tp!r} for {key}")  # a bug in our dataclasses
+    if tp is str and isinstance(value, str):
+        return value
+    got = f"{type(value).__name__} {_value_repr(value)}"
+    raise ConfigError(key, f"expected {_EXPECTED[tp]}, got {got}", source)
 
 
 def from_dict(cls: type, data: Any, key: str = "", source: str = "<config>") -> Any:

@@ -54,6 +54,46 @@ class _Stage:
     samplers: list[ShuffledSamples]
 
 
+def _check_sizes(sequence_length: int, micro_batch_size: int, accum: int, dp_size: int) -> None:
+    for key, value in (
+        ("tokens.sequence_length", sequence_length),
+        ("tokens.micro_batch_size", micro_batch_size),
+        ("tokens.batch_accumulation_per_replica", accum),
+        ("parallelism.dp", dp_size),
+    ):
+        if value < 1:
+            raise DataError(f"{key} must be >= 1, got {value}")
+
+
+def _tokenizer_sha256(tokenizer_path: str | None, stages: list[StageSpec]) -> str | None:
+    """The tokenizer's hash, to check the data against; None without one, or when it is not
+    found locally and no stage needs it to tokenize a raw dataset."""
+    if not tokenizer_path:
+        return None
+    try:
+        return load_tokenizer(tokenizer_path).sha256
+    except DataError:
+        if any(s.dataset.hf_dataset_or_datasets is not None for s in stages):
+            raise  # needed to tokenize the raw dataset
+        # Nanoset folders carry their tokens: the tokenizer is only used for a check.
+        logger.warning("data: tokenizer %r not found locally; not checked", tokenizer_path)
+        return None
+
+
+def _tokenizer_identity(
+    tokenizer_path: str | None, tok_sha: str | None, first_stage: _Stage
+) -> tuple[str, str] | None:
+    """(what, sha256) of the data's tokenizer: the configured one, else the first folder's;
+    None when unknown (a datatrove folder records a tokenizer name, not a hash)."""
+    first = first_stage.nanosets[0]
+    first_sha = first.metadata.tokenizer.get("sha256")
+    if tok_sha:
+        return (f"the tokenizer {tokenizer_path}", tok_sha)
+    if first_sha is not None:
+        return (f"the training data {first.folder}", str(first_sha))
+    return None
+
+
 class TrainData:
     def __init__(
         self,
@@ -72,14 +112,7 @@ class TrainData:
         is_builder: bool = True,
     ):
         validate_stages(stages)
-        for key, value in (
-            ("tokens.sequence_length", sequence_length),
-            ("tokens.micro_batch_size", micro_batch_size),
-            ("tokens.batch_accumulation_per_replica", batch_accumulation_per_replica),
-            ("parallelism.dp", dp_size),
-        ):
-            if value < 1:
-                raise DataError(f"{key} must be >= 1, got {value}")
+        _check_sizes(sequence_length, micro_batch_size, batch_accumulation_per_replica, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         self.sequence_length = sequence_length
@@ -91,15 +124,7 @@ class TrainData:
         # folder -> its held-out validation part (validation.split), each folder once
         self.held_out: dict[str, Nanoset] = {}
         self.model_vocab_size = model_vocab_size
-        tok_sha = None
-        if tokenizer_path:
-            try:
-                tok_sha = load_tokenizer(tokenizer_path).sha256
-            except DataError:
-                if any(s.dataset.hf_dataset_or_datasets is not None for s in stages):
-                    raise  # needed to tokenize the raw dataset
-                # Nanoset folders carry their tokens: the tokenizer is only used for a check.
-                logger.warning("data: tokenizer %r not found locally; not checked", tokenizer_path)
+        tok_sha = _tokenizer_sha256(tokenizer_path, stages)
         self._stages = [
             self._open_stage(i, s, tokenizer_path, tok_sha, cache_dir, model_vocab_size,
                              barrier, is_builder)
@@ -107,14 +132,7 @@ class TrainData:
         ]  # fmt: skip
         self._specs = list(stages)
         # (what, sha256) of the tokenizer of this data: a validation folder must match it.
-        # None when unknown (a datatrove folder records a tokenizer name, not a hash).
-        first = self._stages[0].nanosets[0]
-        first_sha = first.metadata.tokenizer.get("sha256")
-        self.tokenizer_sha256 = (
-            (f"the tokenizer {tokenizer_path}", tok_sha) if tok_sha
-            else (f"the training data {first.folder}", str(first_sha)) if first_sha is not None
-            else None
-        )  # fmt: skip
+        self.tokenizer_sha256 = _tokenizer_identity(tokenizer_path, tok_sha, self._stages[0])
         # Position: everything below is what state_dict saves.
         self.consumed_samples = 0
         self._step = 0  # the last step served

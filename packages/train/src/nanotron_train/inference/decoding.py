@@ -86,6 +86,39 @@ def pad_prompts(
     return ids, positions, key_mask
 
 
+def _check_request(stage, prompts: list[list[int]], max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise DecodingError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DecodingError("every prompt needs at least one token")
+    limit = stage.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise DecodingError(
+            f"a prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} exceeds "
+            f"the model's max_position_embeddings ({limit})"
+        )
+
+
+def _forward_step(stage):
+    """The decoding step of `stage`: one whole model, or a pipeline stage / chunks."""
+    if holds_whole_model(stage):
+        return _one_stage_step(stage)
+    from nanotron_train.inference.pipelined_decoding import pipelined_step
+
+    return pipelined_step(stage)
+
+
+def _keep_unfinished(out: list[list[int]], token: torch.Tensor, done: torch.Tensor) -> int:
+    """Append each unfinished row's new token to its output; returns how many were added."""
+    added = 0
+    for i, (t, finished) in enumerate(zip(token.tolist(), done.tolist())):  # waits for the device
+        if not finished:
+            out[i].append(t)
+            added += 1
+    return added
+
+
 @torch.no_grad()
 def generate(
     stage,
@@ -103,31 +136,15 @@ def generate(
     `max_new_tokens`. Greedy when `sampling` is None or its temperature is 0.
     """
     sampling = (sampling or SamplingParams()).validate()
-    if max_new_tokens < 1:
-        raise DecodingError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise DecodingError("every prompt needs at least one token")
-    limit = stage.config.max_position_embeddings
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > limit:
-        raise DecodingError(
-            f"a prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} exceeds "
-            f"the model's max_position_embeddings ({limit})"
-        )
+    _check_request(stage, prompts, max_new_tokens)
     device = next(stage.parameters()).device
-    b = len(prompts)
     ids, positions, key_mask = pad_prompts(prompts, max_new_tokens, pad_token_id, device)
     generator = None if sampling.greedy else make_generator(sampling, device)
     cache = KVCache()
     out = [[] for _ in prompts]
-    done = torch.zeros(b, dtype=torch.bool, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     result = GenerationResult(out, prompt_tokens=sum(len(p) for p in prompts))
-    if holds_whole_model(stage):
-        forward_step = _one_stage_step(stage)
-    else:
-        from nanotron_train.inference.pipelined_decoding import pipelined_step
-
-        forward_step = pipelined_step(stage)
+    forward_step = _forward_step(stage)
 
     def pick(last_logits: torch.Tensor) -> torch.Tensor:  # [b, vocab] -> [b] token ids
         return _agree_over_tp(next_tokens(last_logits, sampling, generator), stage.pc)
@@ -141,13 +158,7 @@ def generate(
         token = forward_step(new, positions[:, start:end], cache, key_mask[:, :end], pick)
         if eos_token_id is not None:
             token = token.masked_fill(done, eos_token_id)
-        added = 0
-        for i, (t, finished) in enumerate(
-            zip(token.tolist(), done.tolist())
-        ):  # waits for the device
-            if not finished:
-                out[i].append(t)
-                added += 1
+        added = _keep_unfinished(out, token, done)
         if eos_token_id is not None:
             done |= token == eos_token_id
         now = time.perf_counter()

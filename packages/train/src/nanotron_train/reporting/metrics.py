@@ -1,16 +1,10 @@
-"""Per-step metrics: derive throughput/TFLOP/s/MFU, print a Nanotron-style line, write sinks.
+"""The logging rank's metrics sinks: stdout, the JSON lines file, TensorBoard, wandb, and the
+dashboard (`dashboard_sink.py`), which also gets run_start, checkpoints and run_end.
 
-The record (one JSON object per logged step, floats at full precision) has: step,
-consumed_tokens, lm_loss, grad_norm, lr, tokens_per_sec, tokens_per_sec_per_gpu,
-time_per_iteration_ms, model_tflops_per_gpu, mfu (null unless the device's peak is known),
-memory (peak bytes: CUDA allocated, or the process's max RSS on CPU), global_batch_size; and
-val_loss, val_ppl on the steps that evaluate (every tokens.val_check_interval and the last).
-In the JSON lines file each record also names its run and attempt (`run_id`, `attempt`: the
-ids the dashboard gets in run_start), so the lines a resumed run appends to the same file
-(its steps again after a rollback to a checkpoint) tell the attempts apart.
-
-Sinks of the logging rank: stdout, the JSON lines file, TensorBoard, wandb, and the dashboard
-(`dashboard_sink.py`), which also gets run_start, checkpoints and run_end.
+The record itself is made in `record.py` and its stdout line in `step_line.py`. In the JSON
+lines file each record also names its run and attempt (`run_id`, `attempt`: the ids the
+dashboard gets in run_start), so the lines a resumed run appends to the same file (its steps
+again after a rollback to a checkpoint) tell the attempts apart.
 """
 
 from __future__ import annotations
@@ -18,15 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import resource
 import secrets
 import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
-
-import torch
 
 from nanotron_train.reporting.dashboard_sink import (
     checkpoint_message,
@@ -35,106 +26,11 @@ from nanotron_train.reporting.dashboard_sink import (
     new_run_id,
     resumed_from,
 )
-from nanotron_train.reporting.sizes import format_bytes
+from nanotron_train.reporting.step_line import format_line
 
 
 class MetricsSinkError(ValueError):
     """An optional metrics sink is configured but cannot be used."""
-
-
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s) by device-name fragment. Unknown devices and
-# other dtypes give None (no MFU) rather than a guess; NANOTRON_PEAK_TFLOPS overrides.
-_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
-
-
-def device_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
-    env = os.environ.get("NANOTRON_PEAK_TFLOPS")
-    if env:
-        return float(env)
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, peak in _PEAK_BF16_TFLOPS.items():
-        if fragment in name:
-            return peak
-    return None
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    # ru_maxrss is KiB on Linux.
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-@dataclass
-class StepMeasure:
-    step: int
-    consumed_tokens: int
-    lm_loss: float
-    grad_norm: float | None
-    lr: float
-    seconds: float
-    tokens_in_step: int
-
-
-def make_record(
-    m: StepMeasure,
-    world_size: int,
-    flops_per_token: float,
-    peak_tflops: float | None,
-    memory: int,
-    global_batch_size: int,
-) -> dict[str, Any]:
-    tokens_per_sec = m.tokens_in_step / m.seconds if m.seconds > 0 else float("nan")
-    per_gpu = tokens_per_sec / world_size
-    tflops = per_gpu * flops_per_token / 1e12
-    return {
-        "step": m.step,
-        "consumed_tokens": m.consumed_tokens,
-        "lm_loss": m.lm_loss,
-        "grad_norm": m.grad_norm,
-        "lr": m.lr,
-        "tokens_per_sec": tokens_per_sec,
-        "tokens_per_sec_per_gpu": per_gpu,
-        "time_per_iteration_ms": m.seconds * 1000.0,
-        "model_tflops_per_gpu": tflops,
-        "mfu": tflops / peak_tflops if peak_tflops else None,
-        "memory": memory,
-        "global_batch_size": global_batch_size,
-    }
-
-
-def _human(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
-
-
-def format_line(rec: dict[str, Any], train_steps: int) -> str:
-    parts = [
-        f"iteration: {rec['step']} / {train_steps}",
-        f"consumed_tokens: {_human(rec['consumed_tokens'])}",
-        f"elapsed_time_per_iteration_ms: {_human(rec['time_per_iteration_ms'])}",
-        f"tokens_per_sec: {_human(rec['tokens_per_sec'])}",
-        f"tokens_per_sec_per_gpu: {_human(rec['tokens_per_sec_per_gpu'])}",
-        f"global_batch_size: {rec['global_batch_size']}",
-        f"lm_loss: {rec['lm_loss']:.4g}",
-        f"lr: {rec['lr']:.4g}",
-        f"model_tflops_per_gpu: {rec['model_tflops_per_gpu']:.3g}",
-    ]
-    if "z_loss" in rec:
-        parts.insert(7, f"z_loss: {rec['z_loss']:.4g}")
-    if rec["grad_norm"] is not None:
-        parts.append(f"grad_norm: {rec['grad_norm']:.4g}")
-    if "val_loss" in rec:  # an evaluation step (evaluation.py)
-        parts.append(f"val_loss: {rec['val_loss']:.4g}")
-        parts.append(f"val_ppl: {rec['val_ppl']:.4g}")
-    if rec["mfu"] is not None:
-        parts.append(f"mfu: {100 * rec['mfu']:.2f}%")
-    parts.append(f"memory: {format_bytes(rec['memory'])}")
-    return " | ".join(parts)
 
 
 # logging key -> (module, extra of nanotron-train that installs it, hint)

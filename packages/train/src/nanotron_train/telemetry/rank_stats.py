@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanotron_train.reporting.metrics import peak_memory_bytes
+from nanotron_train.reporting.device_peaks import peak_memory_bytes
 
 FIELDS = (
     "step_ms",
