@@ -19,6 +19,8 @@ from torch import nn
 from nanotron_parallel.data_parallel import OwnedPiece
 from nanotron_train.interop.nanotron_names import excluded_from_weight_decay
 
+ADAM_STATE = ("exp_avg", "exp_avg_sq")  # the per-element state checkpoints store
+
 
 class OptimizerConfigError(ValueError):
     """An optimizer setting that cannot work here."""
@@ -86,6 +88,9 @@ class AdamWOnPieces:
         name: str = "adamW",
     ) -> None:
         self.pieces = pieces
+        self._settings = {"name": name, "lr": lr, "weight_decay": weight_decay}
+        if name != "sgd":
+            self._settings.update(betas=list(betas), eps=eps, fused=fused)
         decay = [pc.master for pc in pieces if pc.decay]
         no_decay = [pc.master for pc in pieces if not pc.decay]
         groups = [
@@ -117,6 +122,14 @@ class AdamWOnPieces:
             pc.master.grad = None
             if pc.is_copy:
                 pc.value.copy_(pc.master)
+
+    def state_kinds(self, piece: Piece) -> tuple[str, ...]:
+        """The per-element state of `piece` a checkpoint stores (SGD holds none: never stepped)."""
+        return ADAM_STATE
+
+    def settings(self) -> dict:
+        """This optimizer's settings, as the checkpoint records them."""
+        return self._settings
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (Adam moments plus fp32 master copies)."""

@@ -40,7 +40,7 @@ from nanotron_train.fault.session import FaultTolerance
 from nanotron_train.interop.initial_weights import load_initial_weights
 from nanotron_train.lr_schedule import build_lr_schedule
 from nanotron_train.model_factory import build_stage_chunks, padded_model_config
-from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
+from nanotron_train.optimizer import build_optimizer
 from nanotron_train.parallelize import parallelize
 from nanotron_train.reporting.benchmark_csv import append_row, benchmark_row
 from nanotron_train.reporting.dashboard_sink import checkpoint_run_id
@@ -108,21 +108,10 @@ class Trainer:
             with self.grads.full_parameters():  # ZeRO-3: written back to the shards
                 load_initial_weights(model, init_path, mc, pc.tp_rank, pc.tp_size)
 
-    def _build_optimizer(self) -> AdamWOnPieces:
-        """AdamW over the pieces of the parameters this rank owns (all of them without ZeRO)."""
-        opt = self.cfg.optimizer
-        names = {id(p): n for n, p in self.named_params}
-        pieces = build_pieces(
-            self.grads.owned_pieces(),
-            names,
-            exclude_from_decay=opt.weight_decay_exclude_named_params,
-        )
-        return AdamWOnPieces(
-            pieces,
-            lr=opt.learning_rate_scheduler.learning_rate,
-            weight_decay=opt.weight_decay,
-            **optimizer_kwargs(opt.optimizer_factory),
-        )
+    def _build_optimizer(self):
+        """The factory's optimizer (AdamW, SGD or Muon with AdamW) over the pieces of the
+        parameters this rank owns (all of them without ZeRO)."""
+        return build_optimizer(self.cfg.optimizer, self.grads, self.named_params, self.pc.tp_group)
 
     def _find_step_tensors(self, model) -> None:
         """What every step reads, found once: the flat gradient views the norm reads and

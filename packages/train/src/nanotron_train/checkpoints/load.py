@@ -166,7 +166,7 @@ def _destinations(state, cfg, pc, own: list[str]) -> dict[str, dict[str, torch.T
         if piece.is_copy:
             optim[key("master")] = piece.master
         held = inner.state.get(piece.master, {}) if inner is not None else {}
-        for kind in ("exp_avg", "exp_avg_sq"):
+        for kind in state.optimizer.state_kinds(piece):
             if isinstance(held.get(kind), torch.Tensor):
                 optim[key(kind)] = held[kind]
     return {own[0]: model, own[1]: optim}
@@ -203,7 +203,7 @@ def _load_optimizer(src: CheckpointSource, optimizer, pc) -> None:
             kind: src.piece(name, kind, target, piece.start, piece.end)
             .to(piece.master)
             .contiguous()
-            for kind in ("exp_avg", "exp_avg_sq")
+            for kind in optimizer.state_kinds(piece)
         }
         inner.state[piece.master] = {
             "step": step.to(piece.master.device) if fused else step,

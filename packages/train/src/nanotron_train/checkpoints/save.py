@@ -78,14 +78,15 @@ def optimizer_tensors(optimizer, pc) -> tuple[dict[str, torch.Tensor], dict[str,
         pieces.append([pc_.name, pc_.start, pc_.end])
         params[pc_.name] = ShardInfo.of(pc_.param, pc.tp_rank, pc.tp_size).to_dict()
         state = inner.state.get(pc_.master, {}) if inner is not None else {}
-        for kind in ("exp_avg", "exp_avg_sq"):
+        for kind in optimizer.state_kinds(pc_):  # Adam's moments, Muon's momentum
             if kind in state:
                 tensors[piece_key(pc_.name, pc_.start, pc_.end, kind)] = state[kind]
         if "step" in state:
             adam_step = int(float(state["step"]))
         if pc_.is_copy:
             tensors[piece_key(pc_.name, pc_.start, pc_.end, "master")] = pc_.master
-    return tensors, {"adam_step": adam_step, "pieces": pieces, "params": params}
+    meta = {"adam_step": adam_step, "pieces": pieces, "params": params}
+    return tensors, {**meta, "optimizer": optimizer.settings()}  # each group's settings
 
 
 def _agree(pc, error: str | None) -> None:

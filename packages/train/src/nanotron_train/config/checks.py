@@ -17,6 +17,7 @@ from nanotron_models.config import ModelConfigError
 from nanotron_parallel.pipeline import ENGINES
 from nanotron_train.config.context_parallel import CONTEXT_PARALLEL_CHECKS
 from nanotron_train.config.fault import FAULT_CHECKS
+from nanotron_train.config.muon import MUON_CHECKS
 from nanotron_train.config.perf import PERF_CHECKS
 from nanotron_train.config.rules import Check, at_least, below_one, positive, refused, run_checks
 from nanotron_train.config.telemetry import TELEMETRY_CHECKS
@@ -382,7 +383,8 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
     for i, stage in enumerate(cfg.data_stages):
         run_checks(STAGE_CHECKS, source, cfg, stage, index=i)
     for table in (
-        CONTEXT_PARALLEL_CHECKS, PERF_CHECKS, FAULT_CHECKS, VALIDATION_CHECKS, TELEMETRY_CHECKS
+        MUON_CHECKS, CONTEXT_PARALLEL_CHECKS, PERF_CHECKS, FAULT_CHECKS, VALIDATION_CHECKS,
+        TELEMETRY_CHECKS,
     ):  # fmt: skip
         run_checks(table, source, cfg)
     return cfg

@@ -106,13 +106,23 @@ class LRSchedulerArgs:
 
 @dataclass
 class OptimizerFactoryArgs:
-    """Nanotron's AdamWOptimizerArgs or SGDOptimizerArgs (`name: sgd`, no adam_* keys)."""
+    """Nanotron's AdamWOptimizerArgs or SGDOptimizerArgs (`name: sgd`, no adam_* keys), or
+    `name: muon`: Muon for the hidden 2-D weights (the muon_* keys, torch.optim.Muon's
+    defaults), AdamW (the adam_* keys) for embeddings, lm_head, norms and biases."""
 
-    name: Literal["adamW", "sgd"] = "adamW"
+    name: Literal["adamW", "sgd", "muon"] = "adamW"
     adam_beta1: float | None = None  # 0.9 for adamW when not given
     adam_beta2: float | None = None  # 0.95
     adam_eps: float | None = None  # 1e-8
     torch_adam_is_fused: bool | None = None  # false
+    muon_learning_rate: float | None = None  # peak; follows the schedule. None: learning_rate
+    muon_weight_decay: float | None = None  # None: optimizer.weight_decay
+    muon_momentum: float | None = None  # 0.95
+    muon_nesterov: bool | None = None  # true
+    muon_ns_coefficients: list[float] | None = None  # [3.4445, -4.7750, 2.0315]
+    muon_ns_steps: int | None = None  # 5
+    muon_eps: float | None = None  # 1e-7
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None  # original
 
 
 @dataclass
