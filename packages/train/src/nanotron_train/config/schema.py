@@ -123,6 +123,7 @@ class OptimizerFactoryArgs:
     muon_ns_steps: int | None = None  # 5
     muon_eps: float | None = None  # 1e-7
     muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None  # original
+    muon_ns_dtype: Literal["bfloat16", "float32"] | None = None  # bfloat16, as torch's
 
 
 @dataclass

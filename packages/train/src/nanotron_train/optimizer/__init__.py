@@ -6,6 +6,8 @@ checkpoints, and `step(lr)` with the scheduler's learning rate."""
 
 from __future__ import annotations
 
+import torch
+
 from nanotron_train.optim import AdamWOnPieces, build_pieces, optimizer_kwargs
 from nanotron_train.optimizer.matrices import stage_matrices
 from nanotron_train.optimizer.muon import (
@@ -40,6 +42,7 @@ def muon_settings(opt) -> MuonSettings:
         ns_steps=pick(f.muon_ns_steps, DEFAULT_STEPS),
         eps=pick(f.muon_eps, DEFAULT_EPS),
         adjust_lr_fn=pick(f.muon_adjust_lr_fn, "original"),
+        ns_dtype=getattr(torch, pick(f.muon_ns_dtype, "bfloat16")),
     )
 
 

@@ -110,7 +110,9 @@ def orthogonal_update(
     sizes = [r if dim == 0 else c for r, c in m.blocks()]
     parts = []
     for block in full.split(sizes, dim=dim):
-        ortho = orthogonalise(block, settings.ns_coefficients, settings.ns_steps, settings.eps)
+        ortho = orthogonalise(
+            block, settings.ns_coefficients, settings.ns_steps, settings.eps, settings.ns_dtype
+        )
         ratio = lr_ratio(settings.adjust_lr_fn, block.shape[0], block.shape[1])
         parts.append(ortho.to(local.dtype) * ratio)
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

@@ -43,6 +43,7 @@ class MuonSettings:
     ns_steps: int
     eps: float
     adjust_lr_fn: str | None
+    ns_dtype: torch.dtype = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -192,4 +193,5 @@ class MuonWithAdamW:
 def muon_settings_dict(settings: MuonSettings) -> dict:
     out = asdict(settings)
     out["ns_coefficients"] = list(settings.ns_coefficients)
+    out["ns_dtype"] = str(settings.ns_dtype).removeprefix("torch.")
     return out

@@ -3,7 +3,10 @@
 `orthogonalise` is the quintic Newton-Schulz iteration of Keller Jordan's Muon, op for op as
 `torch.optim._muon._zeropower_via_newtonschulz` (in bfloat16, the wide orientation, the
 Frobenius-norm scaling), so that one process gives torch's numbers; it is copied rather than
-imported because torch's function is private. `lr_ratio` is `adjust_lr_fn`'s factor.
+imported because torch's function is private. It may run in float32 instead (`muon_ns_dtype`):
+bfloat16 keeps 8 bits, so two runs whose gradients differ by float32 rounding (another
+parallel layout sums in another order) round some elements of the update to neighbouring
+bfloat16 values, 2^-8 apart; float32 keeps such runs within ~1e-7 of each other. `lr_ratio` is `adjust_lr_fn`'s factor.
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
 
 def orthogonalise(
-    grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    grad: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """~U V^T of `grad` = U S V^T (singular values pushed into ~[0.5, 1.5]); bfloat16 result."""
+    """~U V^T of `grad` = U S V^T (singular values pushed into ~[0.5, 1.5]), in `dtype`
+    (torch's: bfloat16)."""
     a, b, c = coefficients
-    x = grad.bfloat16()
+    x = grad.to(dtype)
     tall = grad.size(0) > grad.size(1)
     if tall:
         x = x.T
