@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from nanotron_train.inference.model_io import TOKENIZER_HELP
 from nanotron_train.launching.tp_command import run_over_tp
+from nanotron_train.process_exit import exit_process
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -155,4 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # under torchrun too: no teardown after the outcome
