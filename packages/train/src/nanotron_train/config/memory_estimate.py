@@ -109,7 +109,10 @@ def estimate(cfg) -> MemoryEstimate:
     params = _stage_parameters(cfg)
     zero = opt.zero_stage
     grad_bytes = 4 if opt.accumulate_grad_in_fp32 else elem
-    moments = 2 if opt.optimizer_factory.name == "adamW" else 0
+    # Muon: one momentum for its matrices, AdamW's two for the rest (counted as two); under
+    # ZeRO its step holds two fp32 flat buffers of the stage's matrices (optimizer/muon.py).
+    moments = 0 if opt.optimizer_factory.name == "sgd" else 2
+    muon_flat = 8 if opt.optimizer_factory.name == "muon" and zero >= 1 and dp_cp > 1 else 0
     master = 1 if elem < 4 else 0
     seq = max(
         [tok.sequence_length] + [s.sequence_length or 0 for s in cfg.data_stages]
@@ -127,7 +130,8 @@ def estimate(cfg) -> MemoryEstimate:
     return MemoryEstimate(
         parameters=params * elem // (dp_cp if zero == 3 else 1),
         gradients=params * grad_bytes // (dp_cp if zero >= 2 else 1),
-        optimizer=params * 4 * (moments + master) // (dp_cp if zero >= 1 else 1),
+        optimizer=params * 4 * (moments + master) // (dp_cp if zero >= 1 else 1)
+        + params * muon_flat,
         # + one layer's backward working set (gradients of its activations, fp32 norm temps)
         activations=tokens * (held * elem + per_layer * 4),
         logits=logits,
