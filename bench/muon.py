@@ -111,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    ap.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2])
     ap.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.05])
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -241,3 +241,23 @@ def test_checkpoint_records_each_group(runs):
     assert not any(k.split(":")[0] in muon_names for k in entries if k.endswith(":exp_avg"))
     saved = yaml.safe_load((folder / "config.yaml").read_text())
     assert saved["optimizer"]["optimizer_factory"]["muon_learning_rate"] == 0.02
+
+
+def test_resume_with_another_optimizer_is_one_line(runs, tmp_path):
+    """AdamW resuming a Muon checkpoint: the matrices have no Adam moments: one line."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.checkpoints.errors import CheckpointError
+    from nanotron_train.trainer import Trainer
+
+    resume = str(Path(runs["root"]) / "cut" / str(HALF))
+    cfg = config_from_dict(tiny_config(SINGLE, str(tmp_path), STEPS, resume), "t", world_size=None)
+    with shared_default_group():
+        pc = ParallelContext()
+        try:
+            with pytest.raises(CheckpointError) as err:
+                Trainer(cfg, pc, stream=io.StringIO())
+        finally:
+            pc.destroy()
+    message = str(err.value)
+    assert message.endswith(":exp_avg is missing") and "\n" not in message, message
+    assert "pp0_tp0_dp0.safetensors" in message
