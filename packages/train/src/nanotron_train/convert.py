@@ -226,7 +226,10 @@ def save_imported(
         # The state a run at `step` would checkpoint, before any optimizer step was taken.
         state = SimpleNamespace(
             model=model,
-            optimizer=SimpleNamespace(pieces=[], inner=None),
+            # no optimizer state: the run that loads it starts its optimizer fresh
+            optimizer=SimpleNamespace(
+                pieces=[], inner=None, state_kinds=lambda piece: (), settings=lambda: {}
+            ),
             lr_schedule=build_lr_schedule(
                 cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
             ),
