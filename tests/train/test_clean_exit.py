@@ -98,7 +98,10 @@ def test_a_failing_teardown_reports_the_run_failed(tmp_path, monkeypatch):
     raw = tiny_config({"dp": 1, "tp": 1, "pp": 1}, str(tmp_path / "ck"), steps=2)
     raw["logging"].update(dashboard_url=ingest.url)
 
-    def broken_destroy(self):
+    real_destroy = ParallelContext.destroy
+
+    def broken_destroy(self):  # tears down for real (later tests need no default group)
+        real_destroy(self)
         raise RuntimeError("teardown failed")
 
     monkeypatch.setattr(ParallelContext, "destroy", broken_destroy)
