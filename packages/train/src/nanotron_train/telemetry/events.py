@@ -11,8 +11,6 @@ import statistics
 import sys
 from collections import deque
 
-SEVERITIES = ("info", "warning", "critical")
-
 
 class EventReporter:
     def __init__(self, rank: int, logger_of) -> None:
