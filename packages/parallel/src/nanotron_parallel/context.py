@@ -66,6 +66,20 @@ def _env_int(name: str, default: int | None = None) -> int:
         ) from None
 
 
+def store_attempt() -> str | None:
+    """A store-key prefix for this torchrun attempt, equal on every rank; None without torchrun.
+
+    Only torchrun's shared agent store outlives an attempt (stale addresses of dead ranks); its
+    restart count is per agent, so a replacement node (restart count 0) joining a restarted one
+    would disagree. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round gets a fresh
+    store hosted by the new rank 0, so one constant prefix serves every node.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        return "0"
+    return restart
+
+
 class ParallelContext:
     """Process groups and coordinates of this rank for a (dp, tp, pp, cp) layout."""
 
@@ -197,7 +211,7 @@ class ParallelContext:
                     raise ParallelConfigError(
                         f"environment variable {key} is required under torchrun"
                     )
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            restart = store_attempt()
             if restart is None:
                 dist.init_process_group(
                     self.backend, init_method="env://", rank=rank, world_size=world_size, **kwargs

@@ -11,9 +11,10 @@ process (tests) never read each other's keys.
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch.distributed as dist
+
+from nanotron_parallel.context import store_attempt
 
 _trainers = itertools.count()  # same sequence on every rank: all ranks build the same trainers
 
@@ -26,7 +27,7 @@ def shared_store(purpose: str) -> dist.Store | None:
         base = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = store_attempt() or "0"
     return dist.PrefixStore(f"nanotron/{attempt}/{purpose}/", base)
 
 
