@@ -273,13 +273,13 @@ def test_openapi_and_pages(client):
 
 
 def test_resume_argv_replaces_earlier_resume():
-    assert resume_argv(["a", "--resume", "x", "b", "--resume=y"], "/c k") == [
+    assert resume_argv(["a", "--resume", "x", "b", "--resume=y"], "/c k", None) == [
         "a",
         "b",
         "--resume",
         "/c k",
     ]
-    assert resume_command(["python", "-m", "t"], "/c k/1") == "python -m t --resume '/c k/1'"
+    assert resume_command(["python", "-m", "t"], "/c k/1", 1) == "python -m t --resume '/c k/1'"
 
 
 def test_downsample_and_ema_units():

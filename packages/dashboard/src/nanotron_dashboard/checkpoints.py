@@ -127,29 +127,29 @@ def _files_size(folder: Path, files: Any) -> tuple[int, bool]:
 BRANCH_SCAN_LIMIT = 10_000  # folder entries looked at for a newer checkpoint
 
 
-def newer_checkpoint_beside(checkpoint_path: str) -> bool:
-    """Whether the folder holding `checkpoint_path` (`<root>/<step>`) has a later step's
-    complete checkpoint: resuming there would write over it, which the trainer refuses."""
-    path = Path(checkpoint_path)
-    if not path.name.isdigit():
-        return False
+def newest_complete_step(root: Path) -> int | None:
+    """The latest step folder of `root` holding a complete checkpoint (its metadata is written
+    last), looked at once per folder and listing; None when there is none."""
+    newest = None
     try:
-        with os.scandir(path.parent) as entries:
+        with os.scandir(root) as entries:
             for i, entry in enumerate(entries):
                 if i >= BRANCH_SCAN_LIMIT:
                     break
-                later = entry.name.isdigit() and int(entry.name) > int(path.name)
-                if later and os.path.isfile(os.path.join(entry.path, "checkpoint_metadata.json")):
-                    return True  # a complete one (its metadata is written last)
+                if not entry.name.isdigit() or (newest is not None and int(entry.name) <= newest):
+                    continue
+                if os.path.isfile(os.path.join(entry.path, "checkpoint_metadata.json")):
+                    newest = int(entry.name)
     except OSError:
-        return False
-    return False
+        return None
+    return newest
 
 
-def resume_argv(command: list[str], checkpoint_path: str) -> list[str]:
+def resume_argv(command: list[str], checkpoint_path: str, newest_step: int | None) -> list[str]:
     """The recorded command line with `--resume <path>` (replacing an earlier --resume). From
-    a checkpoint that later ones follow, the resumed run saves into a sibling folder
-    `<root>-from-<step>` (the trainer never writes over a newer checkpoint)."""
+    a checkpoint that a later one follows (`newest_step`: `newest_complete_step` of its
+    folder), the resumed run saves into a sibling folder `<root>-from-<step>` (the trainer
+    never writes over a newer checkpoint)."""
     out: list[str] = []
     skip = False
     for arg in command:
@@ -163,15 +163,15 @@ def resume_argv(command: list[str], checkpoint_path: str) -> list[str]:
             continue
         out.append(arg)
     out += ["--resume", checkpoint_path]
-    if newer_checkpoint_beside(checkpoint_path):
-        path = Path(checkpoint_path)
+    path = Path(checkpoint_path)
+    if path.name.isdigit() and newest_step is not None and newest_step > int(path.name):
         branch = path.parent.with_name(f"{path.parent.name}-from-{path.name}")
         out += ["--override", f"checkpoints.checkpoints_path={branch}"]
     return out
 
 
-def resume_command(command: list[str], checkpoint_path: str) -> str:
-    return shlex.join(resume_argv(command, checkpoint_path))
+def resume_command(command: list[str], checkpoint_path: str, newest_step: int | None) -> str:
+    return shlex.join(resume_argv(command, checkpoint_path, newest_step))
 
 
 def resume_target(command: list[str]) -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import Connection
 
-from .checkpoints import resolve_dir, resume_argv
+from .checkpoints import newest_complete_step, resolve_dir, resume_argv
 from .errors import DashboardError
 from .messages import RunStart
 
@@ -155,7 +155,7 @@ def _start(
         raise LaunchError("this run recorded no command line, so it cannot be resumed from here")
     if not cwd or not Path(cwd).is_dir():
         raise LaunchError(f"the run's working directory {cwd!r} does not exist on this machine")
-    argv = resume_argv(command, checkpoint_path)
+    argv = resume_argv(command, checkpoint_path, newest_complete_step(Path(checkpoint_path).parent))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"resume-{time.time_ns()}.log"
     env = {**os.environ, **env_extra}

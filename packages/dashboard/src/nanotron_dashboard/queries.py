@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shlex
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,7 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from . import blocks, telemetry_queries
-from .checkpoints import resume_command
+from .checkpoints import newest_complete_step, resume_command
 from .errors import DashboardError
 from .messages import json_float
 from .series import SeriesCache, downsample, ema
@@ -227,20 +229,18 @@ def get_run(conn: Connection, run_id: str, stall_s: float) -> dict[str, Any]:
 
 
 def _checkpoint_entry(
-    row: Any, command: list[str], cid: Any, step: int, path: str, **f: Any
+    row: Any, command: list[str], newest_of, cid: Any, step: int, path: str, **f: Any
 ) -> dict:
+    """`newest_of(folder)`: the folder's newest complete step, scanned once per listing."""
+    resume = resume_command(command, path, newest_of(Path(path).parent)) if command else None
     return {
         "id": cid,
         "step": step,
         "path": path,
         **f,
-        "resume_command": resume_command(command, path) if command else None,
+        "resume_command": resume,
         # what the copy button copies: runnable from any directory
-        "resume_shell": (
-            f"cd {shlex.quote(row.cwd)} && {resume_command(command, path)}"
-            if command and row.cwd
-            else None
-        ),
+        "resume_shell": f"cd {shlex.quote(row.cwd)} && {resume}" if resume and row.cwd else None,
         "cwd": row.cwd,
     }
 
@@ -253,6 +253,7 @@ def list_checkpoints(
     row = run_row(conn, run_id)
     command = json.loads(row.command)
     found = {c.step: c for c in on_disk or []}
+    newest_of = functools.cache(newest_complete_step)
     out = []
     for c in conn.execute(
         text(
@@ -266,6 +267,7 @@ def list_checkpoints(
             _checkpoint_entry(
                 row,
                 command,
+                newest_of,
                 c.id,
                 c.step,
                 c.path,
@@ -282,6 +284,7 @@ def list_checkpoints(
             _checkpoint_entry(
                 row,
                 command,
+                newest_of,
                 None,
                 d.step,
                 d.path,
