@@ -26,6 +26,7 @@ from nanotron_parallel.tensor_parallel import (
     vocab_parallel_cross_entropy_with_z_loss,
     vocab_parallel_linear_cross_entropy,
 )
+from nanotron_parallel.tensor_parallel.weight_grad import defer, splitting
 
 from .attention import attention, resolve_backend
 from .config import LlamaConfig
@@ -57,6 +58,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
         weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
+        if splitting():  # a zero-bubble step: the weight gradient's tp sum happens in its W
+            group = self.group if self.sequence_parallel else None
+            return _RMSNormFunction.apply(x, self.weight, self.eps, group)
         return _RMSNormFunction.apply(x, weight, self.eps)
 
 
@@ -66,22 +70,31 @@ class _RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, sum_group=None):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
         normed = (xf * rstd).to(x.dtype)
         ctx.save_for_backward(normed, rstd, weight)
+        ctx.sum_group = sum_group  # sum the weight gradient over it (sequence parallel)
         return weight * normed
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         normed, rstd, weight = ctx.saved_tensors
-        grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        group = ctx.sum_group
+
+        def weight_grad():  # also run later, as the W of a zero-bubble schedule
+            grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
+            if group is not None:
+                dist.all_reduce(grad_weight, group=group)
+            return (grad_weight,)
+
+        grad_weight = None if defer((weight,), weight_grad) else weight_grad()[0]
         g = (grad * weight).float()
         nf = normed.float()
         # g - nf * mean(g * nf) in one pass (addcmul), then the scale
         grad_x = torch.addcmul(g, nf, (g * nf).mean(-1, keepdim=True), value=-1.0).mul_(rstd)
-        return grad_x.to(grad.dtype), grad_weight, None
+        return grad_x.to(grad.dtype), grad_weight, None, None
 
 
 class Embedding(VocabParallelEmbedding):

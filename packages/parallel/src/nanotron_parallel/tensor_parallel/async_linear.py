@@ -28,6 +28,7 @@ from nanotron_parallel.tensor_parallel.functional import (
     _reduce_scatter_tensor,
     native_reduce_scatter,
 )
+from nanotron_parallel.tensor_parallel.weight_grad import defer, linear_weight_grads
 
 Group = dist.ProcessGroup | None
 
@@ -78,7 +79,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
             own if j == rank else F.linear(full[j * n : (j + 1) * n], weight, bias)
             for j in range(world)
         ]
-        ctx.group, ctx.has_bias, ctx.native = group, bias is not None, native
+        ctx.group, ctx.has_bias, ctx.native, ctx.bias = group, bias is not None, native, bias
         ctx.recompute = recompute_allgather  # keep the shard; gather it again in the backward
         ctx.save_for_backward(x if recompute_allgather else full, weight)
         return torch.cat(parts, dim=0)
@@ -86,26 +87,40 @@ class _AsyncColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved, weight = ctx.saved_tensors
+        want_w = ctx.needs_input_grad[1]
+        has_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        params = (weight, ctx.bias) if has_bias else (weight,)
+        group, recompute = ctx.group, ctx.recompute
+
+        def compute():  # deferred (a W): gathers the input again itself if it kept the shard
+            full = _all_gather_wait(saved, group) if recompute else saved
+            return linear_weight_grads(grad_y, full, weight, has_bias)
+
+        deferred = want_w and defer(params, compute)
         full_handle = None
-        if ctx.recompute and ctx.needs_input_grad[1]:
+        if recompute and want_w and not deferred:
             with record_function("tp.all_gather.async"):
-                full_handle = _start_all_gather(saved, ctx.group)
+                full_handle = _start_all_gather(saved, group)
         full = saved
         grad_x = grad_w = grad_b = None
         finish = None
         if ctx.needs_input_grad[0]:
             with record_function("tp.reduce_scatter.async"):
-                finish = _start_reduce_scatter(grad_y.matmul(weight), ctx.group, ctx.native)
-        if ctx.needs_input_grad[1]:  # overlaps the reduce-scatter
+                finish = _start_reduce_scatter(grad_y.matmul(weight), group, ctx.native)
+        if want_w and not deferred:  # overlaps the reduce-scatter
             if full_handle is not None:
                 full, handle = full_handle
                 _wait(handle)
-            grad_w = _flat(grad_y).t().matmul(_flat(full)).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = _flat(grad_y).sum(0)
+            grad_w, grad_b = linear_weight_grads(grad_y, full, weight, has_bias)
         if finish is not None:
             grad_x = finish()
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _all_gather_wait(x: torch.Tensor, group: Group) -> torch.Tensor:
+    full, handle = _start_all_gather(x, group)
+    _wait(handle)
+    return full
 
 
 class _AsyncRowLinear(torch.autograd.Function):
@@ -128,25 +143,27 @@ class _AsyncRowLinear(torch.autograd.Function):
             full, handle = _start_all_gather(grad_out, group)
         n = grad_out.shape[0]
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-
-        def chunk_grads(g: torch.Tensor, j: int):
-            gx = g.matmul(weight) if want_x else None
-            gw = _flat(g).t().matmul(_flat(x[j * n : (j + 1) * n])) if want_w else None
-            return gx, gw
-
-        own = chunk_grads(grad_out, rank)  # overlaps the gather
+        own_x = grad_out.matmul(weight) if want_x else None  # overlaps the gather
         _wait(handle)
-        per_chunk = [
-            own if j == rank else chunk_grads(full[j * n : (j + 1) * n], j) for j in range(world)
-        ]
-        grad_x = torch.cat([gx for gx, _ in per_chunk], dim=0) if want_x else None
-        grad_w = None
-        if want_w:
-            grad_w = per_chunk[0][1]
-            for _, gw in per_chunk[1:]:
-                grad_w = grad_w + gw
-            grad_w = grad_w.to(weight.dtype)
-        return grad_x, grad_w, None, None
+
+        def compute():  # the weight gradient chunk by chunk, summed in rank order
+            grad_w = None
+            for j in range(world):
+                g = grad_out if j == rank else full[j * n : (j + 1) * n]
+                gw = _flat(g).t().matmul(_flat(x[j * n : (j + 1) * n]))
+                grad_w = gw if grad_w is None else grad_w + gw
+            return (grad_w.to(weight.dtype),)
+
+        grad_x = None
+        if want_x:
+            parts = [
+                own_x if j == rank else full[j * n : (j + 1) * n].matmul(weight)
+                for j in range(world)
+            ]
+            grad_x = torch.cat(parts, dim=0)
+        if not want_w or defer((weight,), compute):
+            return grad_x, None, None, None
+        return grad_x, compute()[0], None, None
 
 
 def async_column_linear(

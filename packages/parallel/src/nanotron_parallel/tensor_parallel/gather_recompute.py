@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotron_parallel.tensor_parallel.functional import _all_gather, _reduce_scatter
+from nanotron_parallel.tensor_parallel.weight_grad import defer, linear_weight_grads
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -22,21 +23,26 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 class _GatherRecomputeLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, native):
-        ctx.group, ctx.has_bias, ctx.native = group, bias is not None, native
+        ctx.group, ctx.has_bias, ctx.native, ctx.bias = group, bias is not None, native, bias
         ctx.save_for_backward(x, weight)  # the shard, not the gathered input
         return F.linear(_all_gather(x, group, dim=0), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
+        grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = _reduce_scatter(grad_y.matmul(weight), ctx.group, 0, ctx.native)
-        if ctx.needs_input_grad[1]:
-            full = _all_gather(x, ctx.group, dim=0)  # recomputed
-            grad_w = _flat(grad_y).t().matmul(_flat(full)).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = _flat(grad_y).sum(0)
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None, None, None
+        has_bias, group = ctx.has_bias and ctx.needs_input_grad[2], ctx.group
+
+        def compute():  # the gather is recomputed here, in W when deferred (see weight_grad.py)
+            return linear_weight_grads(grad_y, _all_gather(x, group, dim=0), weight, has_bias)
+
+        if defer((weight, ctx.bias) if has_bias else (weight,), compute):
+            return grad_x, None, None, None, None
+        grad_w, grad_b = compute()
         return grad_x, grad_w, grad_b, None, None
 
 

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from nanotron_parallel.grid import ParallelConfigError
@@ -27,6 +26,7 @@ from nanotron_parallel.tensor_parallel.functional import (
     reduce_scatter_from_tp,
 )
 from nanotron_parallel.tensor_parallel.gather_recompute import gather_recompute_linear
+from nanotron_parallel.tensor_parallel.weight_grad import split_embedding, split_linear
 
 
 class TensorParallelLinearMode(str, enum.Enum):
@@ -213,11 +213,11 @@ class ColumnParallelLinear(_TPLinearBase):
         if self.async_communication and self.tp_size > 1:  # overlapped gather
             y = async_column_linear(x, self.weight, self.bias, self.group, native, recompute)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
-            y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+            y = split_linear(copy_to_tp(x, self.group), self.weight, self.bias)
         elif recompute and self.tp_size > 1:  # keep the shard, gather again in the backward
             y = gather_recompute_linear(x, self.weight, self.bias, self.group, native)
         else:
-            y = F.linear(all_gather_to_tp(x, self.group, 0, native), self.weight, self.bias)
+            y = split_linear(all_gather_to_tp(x, self.group, 0, native), self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tp(y, self.group, dim=-1)
         return y
@@ -283,9 +283,9 @@ class RowParallelLinear(_TPLinearBase):
         if self.async_communication and self.tp_size > 1:  # backward overlaps its gather
             y = async_row_linear(x, self.weight, self.group, native)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
-            y = reduce_from_tp(F.linear(x, self.weight), self.group)
+            y = reduce_from_tp(split_linear(x, self.weight), self.group)
         else:
-            y = reduce_scatter_from_tp(F.linear(x, self.weight), self.group, 0, native)
+            y = reduce_scatter_from_tp(split_linear(x, self.weight), self.group, 0, native)
         if self.bias is not None:
             # The bias is replicated; in REDUCE_SCATTER mode each rank only sees its sequence
             # chunk, so copy_to_tp sums the bias gradient over tp to make it the full one.
@@ -361,7 +361,7 @@ class VocabParallelEmbedding(nn.Module):
         # range would embed as zeros.
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = split_embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.mode is TensorParallelLinearMode.ALL_REDUCE:
             return reduce_from_tp(out, self.group)
         return reduce_scatter_from_tp(out, self.group, 0, self.tensor_collectives)

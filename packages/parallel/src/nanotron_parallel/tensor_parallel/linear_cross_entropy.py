@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from nanotron_parallel.grid import ParallelConfigError
 from nanotron_parallel.tensor_parallel.functional import all_reduce_
+from nanotron_parallel.tensor_parallel.weight_grad import defer
 
 # Logit elements per chunk (64 MiB in fp32): rows = this // (V/tp). Big enough that the chunk's
 # matmuls run at full speed (on the CPU one chunk of 1024 x 4096 beat 4 chunks of 256 by 5%),
@@ -84,6 +85,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight += torch.mm(g.t(), h)
         ctx.mark_non_differentiable(z_sum)
         ctx.grads = (grad_hidden, grad_weight, weight.dtype) if grad else None
+        ctx.save_for_backward(weight)
         return loss, z_sum
 
     @staticmethod
@@ -96,6 +98,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, dtype = ctx.grads
         ctx.grads = None  # free them now (the pipeline keeps the graph of other micro-batches)
         grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        # The weight gradient was computed in the forward (the fusion's point): a deferred W
+        # (weight_grad.py) only scales and accumulates it.
+        (weight,) = ctx.saved_tensors
+        if defer((weight,), lambda: (grad_weight.mul_(grad_loss).to(dtype),)):
+            return grad_hidden, None, None, None, None, None, None, None, None
         grad_weight = grad_weight.mul_(grad_loss).to(dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 

@@ -1,0 +1,173 @@
+"""The backward split in two: B (input gradients, now) and W (weight gradients, later).
+
+A zero-bubble pipeline schedule (pipeline/zero_bubble.py) runs each micro-batch's backward as
+B, whose input gradient the previous stage is waiting for, and its W when the schedule has a
+slot to fill. The layers that own the big weight-gradient matmuls take part:
+
+- while `weight_grad_split()` is active, the forwards of the column- and row-parallel linears
+  (sync and async), the vocab-parallel embedding, the fused lm_head + cross-entropy and the
+  RMSNorm build autograd functions whose backward can leave the weight gradient out;
+- while `deferring(jobs)` is active (the B of one micro-batch), such a backward computes the
+  input gradient only and appends to `jobs` a closure that computes the weight gradients from
+  the tensors it keeps (`defer`); out of it, the same backward computes both at once;
+- `run_weight_grads(jobs, extra)` (the W) runs the closures and accumulates every gradient
+  through autograd (`torch.autograd.backward` on the parameters themselves), so the
+  post-accumulate hooks of data parallelism fire as in a plain backward, only later.
+
+The closure runs the same kernels on the same tensors as the fused backward, so B then W gives
+bitwise the gradients of one backward. Any parameter without a split (a bias added outside a
+linear, say) gets its gradient in B, kept by the schedule and accumulated in the same W call:
+gradient accumulation, and the reduction that follows it, happens only in W.
+
+The state is process-wide (not thread-local): the CUDA autograd engine runs backwards on its
+own threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Job = tuple[Sequence[torch.Tensor], Callable[[], Sequence[torch.Tensor | None]]]
+
+
+class _SplitState:
+    enabled = False  # forwards build split-capable functions
+    jobs: list[Job] | None = None  # the backward running now defers its W here
+
+
+_STATE = _SplitState()
+
+
+@contextlib.contextmanager
+def weight_grad_split() -> Iterator[None]:
+    """Forwards run inside this build layers whose backward can be split (a zero-bubble step)."""
+    before, _STATE.enabled = _STATE.enabled, True
+    try:
+        yield
+    finally:
+        _STATE.enabled = before
+
+
+def splitting() -> bool:
+    return _STATE.enabled
+
+
+@contextlib.contextmanager
+def deferring(jobs: list[Job]) -> Iterator[list[Job]]:
+    """Backwards run inside this (a B) append their weight-gradient closures to `jobs`."""
+    before, _STATE.jobs = _STATE.jobs, jobs
+    try:
+        yield jobs
+    finally:
+        _STATE.jobs = before
+
+
+def defer(params: Sequence[torch.Tensor], compute: Callable[[], Sequence]) -> bool:
+    """Queue `compute` (returning one gradient per tensor of `params`) for the W of the
+    backward running now; False when no B is deferring (the caller computes now)."""
+    if _STATE.jobs is None:
+        return False
+    _STATE.jobs.append((params, compute))
+    return True
+
+
+def run_weight_grads(
+    jobs: Sequence[Job], extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+) -> None:
+    """The W of one micro-batch: run its closures, add up the gradients of each parameter
+    (a tied weight used twice), and accumulate them, with `extra` (the gradients B computed
+    for parameters without a split), in one autograd call so the parameters' hooks fire."""
+    summed: dict[int, list] = {}
+    for params, compute in jobs:
+        for p, g in zip(params, compute()):
+            _add(summed, p, g)
+    for p, g in extra:
+        _add(summed, p, g)
+    if summed:
+        params, grads = zip(*summed.values())
+        torch.autograd.backward(list(params), list(grads))
+
+
+def _add(summed: dict[int, list], p: torch.Tensor, g: torch.Tensor | None) -> None:
+    if g is None:
+        return
+    entry = summed.get(id(p))
+    if entry is None:
+        summed[id(p)] = [p, g]
+    else:
+        entry[1] = entry[1] + g
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def linear_weight_grads(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dL/dW, dL/db) of y = x W^T + b: the weight gradient of every linear here."""
+    grad_w = _flat(grad_y).t().matmul(_flat(x)).to(weight.dtype)
+    return grad_w, (_flat(grad_y).sum(0) if has_bias else None)
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, bias = ctx.saved_tensors
+        grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        has_bias = bias is not None
+        params = (weight, bias) if has_bias else (weight,)
+
+        def compute():
+            return linear_weight_grads(grad_y, x, weight, has_bias)[: len(params)]
+
+        if defer(params, compute):
+            return grad_x, None, None
+        grad_w, grad_b = linear_weight_grads(grad_y, x, weight, has_bias)
+        return grad_x, grad_w, grad_b
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear, whose weight gradient can be deferred while `weight_grad_split()` is on."""
+    if not _STATE.enabled or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return _SplitLinear.apply(x, weight, bias)
+
+
+class _SplitEmbedding(torch.autograd.Function):
+    """An embedding has no input gradient: its whole backward is W."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, weight = ctx.saved_tensors
+
+        def compute():
+            grad = torch.ops.aten.embedding_dense_backward(
+                grad_out, ids, weight.shape[0], -1, False
+            )
+            return (grad.to(weight.dtype),)
+
+        if defer((weight,), compute):
+            return None, None
+        return None, compute()[0]
+
+
+def split_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding, whose (weight) gradient can be deferred while `weight_grad_split()` is on."""
+    if not _STATE.enabled or not torch.is_grad_enabled():
+        return F.embedding(ids, weight)
+    return _SplitEmbedding.apply(ids, weight)
