@@ -5,14 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format clean stop chromium npm dist
+.PHONY: setup run test lint format clean stop chromium npm postgres dist
 
 # A fresh virtual environment with the four packages editable and the dev tools.
 $(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml VERSION
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	$(PY) -m pip install -q -c constraints.txt \
-		-e packages/parallel -e "packages/models[hf]" -e "packages/train[hf,tensorboard,wandb]" -e packages/dashboard \
+		-e packages/parallel -e "packages/models[hf]" -e "packages/train[hf,tensorboard,wandb]" -e "packages/dashboard[postgresql]" \
 		--group dev
 	touch $(STAMP)
 
@@ -20,6 +20,12 @@ $(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml VERSION
 # the machines are offline). Needs root, as on the development and CI machines.
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+# Debian's PostgreSQL server: the dashboard's tests run their API, ingest, websocket and browser
+# subset on it too (they initdb and start their own server in a temporary directory, as the
+# `postgres` user; under CI=true a missing server fails them). Needs root, like chromium.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq postgresql >/dev/null; }
 
 # npm fetches the uPlot tarball that tests/packaging checks the committed copy against.
 npm:
@@ -29,7 +35,7 @@ setup: $(STAMP)
 
 # The suite includes tests/packaging: it builds the four sdists and wheels and installs them
 # into fresh virtual environments (the dashboard alone; parallel + models + train alone).
-test: setup chromium npm
+test: setup chromium npm postgres
 	$(PY) -m pytest
 
 lint: setup

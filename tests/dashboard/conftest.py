@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dashboard_helpers import start_dashboard  # noqa: E402
+from dashboard_helpers import BACKENDS, start_dashboard  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +44,44 @@ def browser():
         )
         yield b
         b.close()
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """One real PostgreSQL server for the session (Debian's package). Under CI a missing or
+    broken server fails the tests that need it; elsewhere they are skipped."""
+    from pg_server import start
+
+    try:
+        server = start()
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        msg = f"PostgreSQL: {e} {detail.decode(errors='replace')[-500:]}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request, tmp_path):
+    """--db for one test on each backend: an SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "runs.db")
+    return request.getfixturevalue("pg_server").fresh_database()
+
+
+@pytest.fixture(scope="session")
+def live_pg_dashboard(tmp_path_factory, pg_server):
+    """The live dashboard's twin on PostgreSQL (uvicorn, --allow-launch)."""
+    d = start_dashboard(pg_server.fresh_database(), "--allow-launch")
+    yield d
+    d.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def any_live_dashboard(request):
+    """A real dashboard on each backend, for the tests run against both."""
+    name = "live_dashboard" if request.param == "sqlite" else "live_pg_dashboard"
+    return request.getfixturevalue(name)

@@ -21,6 +21,8 @@ JSON_HEADERS = {"content-type": "application/json"}
 # the launch token of the dashboards started with --allow-launch (an owner's trainer sends it)
 LAUNCH_TOKEN = "launch-token-for-tests"
 OWNER_HEADERS = {**JSON_HEADERS, "Authorization": f"Bearer {LAUNCH_TOKEN}"}
+# the tests run against both (conftest: db_url, any_live_dashboard, pg_server)
+BACKENDS = ["sqlite", "postgresql"]
 
 
 def free_port() -> int:
@@ -32,7 +34,7 @@ def free_port() -> int:
 @dataclass
 class Dashboard:
     url: str
-    db: Path
+    db: Path | str  # an SQLite file or a PostgreSQL URL
     port: int
     proc: subprocess.Popen
     token: str | None = None
@@ -69,7 +71,7 @@ class Dashboard:
 
 
 def start_dashboard(
-    db: Path, *extra: str, port: int | None = None, token: str | None = None
+    db: Path | str, *extra: str, port: int | None = None, token: str | None = None
 ) -> Dashboard:
     port = port or free_port()
     args = [

@@ -22,8 +22,9 @@ CMD = ["torchrun", "--nproc_per_node=2", "-m", "nanotron_train", "--config-file"
 
 
 @pytest.fixture()
-def client(tmp_path):
-    app = create_app(Settings(db=str(tmp_path / "runs.db"), stall_seconds=60))
+def client(db_url):
+    """This module's API and ingest tests run on SQLite and on PostgreSQL."""
+    app = create_app(Settings(db=db_url, stall_seconds=60))
     with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as c:
         yield c
 

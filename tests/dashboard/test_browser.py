@@ -57,8 +57,8 @@ def seed(d, run_id: str, tmp: Path, steps: int = 300) -> None:
     )
 
 
-def test_run_list_and_run_page(browser, live_dashboard, tmp_path):
-    d = live_dashboard
+def test_run_list_and_run_page(browser, any_live_dashboard, tmp_path):
+    d = any_live_dashboard  # on SQLite and on PostgreSQL
     seed(d, "br-1", tmp_path)
     ctx = browser.new_context(permissions=["clipboard-read", "clipboard-write"])
     page = ctx.new_page()

@@ -114,6 +114,7 @@ def test_schema_1_database_is_migrated(tmp_path):
     open_database(db).dispose()
     c = sqlite3.connect(db)  # make it look like a file written by schema version 1
     c.execute("DROP TABLE series_blocks")
+    c.execute("ALTER TABLE timelines DROP COLUMN clock")
     c.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     c.execute(
         "INSERT INTO runs(id, project, name, status, config, topology, command) "
@@ -128,8 +129,8 @@ def test_schema_1_database_is_migrated(tmp_path):
     with sqlite3.connect(db) as c:
         version = c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
         stored = c.execute("SELECT block, n FROM series_blocks ORDER BY block").fetchall()
-        steps, values, times = blocks.load(c, 1, "lm_loss")
-    assert version == str(SCHEMA_VERSION) == "2"
+        steps, values, times = blocks.load(blocks.Raw(c), 1, "lm_loss")
+    assert version == str(SCHEMA_VERSION) == "3"
     assert stored == [(0, B), (1, B)]  # the block of the newest step stays rows only
     want = blocks.rows_to_arrays([r[2:] for r in rows])
     assert np.array_equal(steps, want[0]) and np.array_equal(times, want[2])

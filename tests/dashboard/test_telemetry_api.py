@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 import telemetry_data as td
-from dashboard_helpers import JSON_HEADERS, LOCAL, WS
+from dashboard_helpers import BACKENDS, JSON_HEADERS, LOCAL, WS
 from fastapi.testclient import TestClient
 
 from nanotron_dashboard import ingest
@@ -21,10 +21,14 @@ from nanotron_dashboard.telemetry_messages import RANK_FIELDS
 from nanotron_dashboard.telemetry_store import StallCheck
 
 
-@pytest.fixture(scope="module")
-def c(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("telemetry")
-    app = create_app(Settings(db=str(tmp / "t.db")))
+@pytest.fixture(scope="module", params=BACKENDS)
+def c(request, tmp_path_factory):
+    """One app per backend: this module's API and websocket tests run on SQLite and PostgreSQL."""
+    if request.param == "sqlite":
+        db = str(tmp_path_factory.mktemp("telemetry") / "t.db")
+    else:
+        db = request.getfixturevalue("pg_server").fresh_database()
+    app = create_app(Settings(db=db))
     with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as client:
         client.csrf = client.get("/api/session").json()["csrf"]  # type: ignore[attr-defined]
         yield client

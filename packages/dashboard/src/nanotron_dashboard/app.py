@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 from . import __version__, api, ingest, telemetry_api
 from .alerts import StallWatch, WebhookSender
 from .auth import AuthMiddleware, CookieSigner
+from .backend import is_url, pg_url
 from .db import lock_database, open_database
 from .errors import MissingAssetError, StartupConfigError
 from .guard import BrowserGuard, HostPolicy
@@ -59,6 +60,14 @@ class Settings:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
+
+
+def launch_log_dir(db: str) -> Path:
+    """Where Resume's launches write their logs: beside an SQLite file; for a PostgreSQL
+    database, in the server's working directory, named after the database."""
+    if is_url(db):
+        return Path(f"nanotron-dashboard-{pg_url(db).database or 'postgres'}.launches")
+    return Path(str(db) + ".launches")
 
 
 def check_assets() -> None:
@@ -122,7 +131,7 @@ class Services:
 
 
 def start_services(settings: Settings, webhooks: WebhookSender) -> Services:
-    lock = lock_database(settings.db)  # one server per database file
+    lock = lock_database(settings.db)  # one server per database
     try:
         engine = open_database(settings.db)
     except Exception:
@@ -181,7 +190,7 @@ def create_app(settings: Settings) -> FastAPI:
     st.settings, st.engine, st.cache, st.writer = settings, sv.engine, sv.cache, sv.writer
     st.hub, st.webhooks, st.lock = sv.hub, sv.webhooks, sv.lock
     st.csrf = secrets.token_urlsafe(32)
-    st.launcher = Launcher(Path(str(settings.db) + ".launches"))
+    st.launcher = Launcher(launch_log_dir(settings.db))
     for router in ROUTERS:
         app.include_router(router)
     api.error_handlers(app)

@@ -1,6 +1,6 @@
 """Sealed blocks: each metric series also stored as packed numpy arrays per range of steps.
 
-Reading 250k rows through sqlite3 costs ~1.5 s of Python tuples; reading the same points as
+Reading 250k rows through the driver costs ~1.5 s of Python tuples; reading the same points as
 ~250 blobs costs milliseconds. `metrics` stays the source of truth (unique keys, replays,
 CSV); `series_blocks` is a derived copy of every block of BLOCK_STEPS steps that lies
 wholly before the series' newest step. A series is read as its blocks plus the rows after
@@ -12,11 +12,12 @@ directly.
 
 from __future__ import annotations
 
-import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .backend import Raw
 
 BLOCK_STEPS = 1024
 Key = tuple[int, str]  # (run_pk, metric name)
@@ -42,21 +43,15 @@ def rows_to_arrays(rows: list[tuple]) -> Arrays:
     return steps, a[:, 0].copy(), a[:, 1].copy()
 
 
-def load(raw: sqlite3.Connection, run_pk: int, name: str) -> Arrays:
+def load(raw: Raw, run_pk: int, name: str) -> Arrays:
     """One whole series: its sealed blocks, then the rows after the last of them.
 
     Both reads run in one read transaction, so a batch sealed in between is not seen twice.
     """
-    began = not raw.in_transaction
-    if began:
-        raw.execute("BEGIN")
-    try:
+    with raw.snapshot():
         blocks = raw.execute(_BLOCKS, (run_pk, name)).fetchall()
         start = (blocks[-1][0] + 1) * BLOCK_STEPS if blocks else 0
         tail = rows_to_arrays(raw.execute(_ROWS, (run_pk, name, start)).fetchall())
-    finally:
-        if began:
-            raw.execute("COMMIT")
     if not blocks:
         return tail
     # read-only views of the blobs; concatenate makes the one owned copy
@@ -68,7 +63,7 @@ def load(raw: sqlite3.Connection, run_pk: int, name: str) -> Arrays:
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
-def seal(raw: sqlite3.Connection, run_pk: int, name: str, first: int, end: int) -> None:
+def seal(raw: Raw, run_pk: int, name: str, first: int, end: int) -> None:
     """(Re)build blocks first..end-1 of a series from its rows; empty blocks are not stored."""
     lo, hi = first * BLOCK_STEPS, end * BLOCK_STEPS
     steps, values, times = rows_to_arrays(
@@ -101,13 +96,13 @@ def seal(raw: sqlite3.Connection, run_pk: int, name: str, first: int, end: int) 
     )
 
 
-def sealed_upto(raw: sqlite3.Connection, run_pk: int, name: str) -> int:
+def sealed_upto(raw: Raw, run_pk: int, name: str) -> int:
     """One past the last stored block: blocks below it are sealed (or empty)."""
     last = raw.execute(_LAST_BLOCK, (run_pk, name)).fetchone()[0]
     return 0 if last is None else int(last) + 1
 
 
-def seal_all(raw: sqlite3.Connection) -> int:
+def seal_all(raw: Raw) -> int:
     """Seal every series up to the block of its newest step (from `latest`); returns how many
     blocks ranges were (re)built. Cheap when nothing is missing: one lookup per series."""
     built = 0
@@ -144,7 +139,7 @@ class Sealer:
     def nbytes(self) -> int:
         return len(self._upto) * BOUND_BYTES
 
-    def after_insert(self, raw: sqlite3.Connection, rows: list[tuple]) -> None:
+    def after_insert(self, raw: Raw, rows: list[tuple]) -> None:
         """rows: (run_pk, name, step, value, time) just upserted, inside the same transaction."""
         span: dict[Key, list[int]] = {}
         for r in rows:

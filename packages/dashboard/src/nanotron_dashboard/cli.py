@@ -1,4 +1,4 @@
-"""`nanotron-dashboard --db runs.db [--host 127.0.0.1] [--port 8008] [--token-file F] [--allow-launch]
+"""`nanotron-dashboard --db runs.db|postgresql://... [--host 127.0.0.1] [--port 8008] [--token-file F] [--allow-launch]
 [--alert-webhook URL] [--stall-after SECONDS]`
 and `nanotron-dashboard delete-run --db runs.db RUN_ID`."""
 
@@ -28,7 +28,12 @@ def is_loopback(host: str) -> bool:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nanotron-dashboard", description=__doc__)
-    p.add_argument("--db", default="runs.db", help="SQLite file (created if missing)")
+    p.add_argument(
+        "--db",
+        default="runs.db",
+        help="SQLite file (created if missing), or a PostgreSQL URL "
+        "postgresql://user@host/dbname (a team server; the database must exist)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8008)
     p.add_argument(
@@ -124,10 +129,11 @@ def delete_run_main(argv: list[str]) -> int:
     p.add_argument("--db", required=True)
     p.add_argument("run_id")
     args = p.parse_args(argv)
+    from .backend import is_url, shown
     from .db import delete_run, lock_database, open_database
 
     try:
-        if not Path(args.db).is_file():
+        if not is_url(args.db) and not Path(args.db).is_file():
             raise DashboardError(f"--db {args.db}: no such file")
         lock = lock_database(args.db)  # a running server would keep serving the deleted run
         try:
@@ -138,12 +144,12 @@ def delete_run_main(argv: list[str]) -> int:
         finally:
             lock.close()
         if pk is None:
-            raise DashboardError(f"run {args.run_id!r} not found in {args.db}")
+            raise DashboardError(f"run {args.run_id!r} not found in {shown(args.db)}")
     except DashboardError as e:
         hint = " (or delete it from the running server's page)" if "serving" in str(e) else ""
         print(f"nanotron-dashboard delete-run: error: {e}{hint}", file=sys.stderr)
         return 2
-    print(f"deleted run {args.run_id} from {args.db}")
+    print(f"deleted run {args.run_id} from {shown(args.db)}")
     return 0
 
 
@@ -196,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     login = " (token required: open it once as /?token=<your token>)" if token else ""
     if settings.allow_launch:
         login += " (to resume runs, open it once as /?token=<launch token>)"
-    print(f"nanotron-dashboard: serving {args.db} at {settings.public_url}/{login}", flush=True)
+    from .backend import shown
+
+    print(
+        f"nanotron-dashboard: serving {shown(args.db)} at {settings.public_url}/{login}", flush=True
+    )
     uvicorn.Server(config).run()
     return 0
 

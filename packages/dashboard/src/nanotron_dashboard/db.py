@@ -1,4 +1,5 @@
-"""The SQLite schema (SQLAlchemy Core), opened in WAL mode and versioned for later migrations."""
+"""The schema (SQLAlchemy Core) on SQLite (WAL mode) or PostgreSQL, versioned and migrated in
+place at start."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import IO
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     Float,
     Index,
@@ -29,11 +31,10 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DatabaseError as SADatabaseError
 
+from .backend import PgLock, Raw, connect_error, is_url, pg_engine, shown
 from .blocks import seal_all
 from .errors import DatabaseFileError
-
-# 1: first release. 2: adds series_blocks (filled from metrics when a version-1 file opens).
-SCHEMA_VERSION = 2
+from .migrations import SCHEMA_VERSION, migrate
 
 RECOVER_HINT = (
     "recover what is left with `sqlite3 {path} .recover | sqlite3 recovered.db` and start "
@@ -41,6 +42,9 @@ RECOVER_HINT = (
 )
 
 metadata = MetaData()
+# 64-bit where a trainer's numbers go (steps, tokens, bytes): SQLite's INTEGER already is;
+# PostgreSQL's is 32-bit. The SQLite DDL stays what earlier releases wrote.
+Int64 = Integer().with_variant(BigInteger(), "postgresql")
 
 meta = Table("meta", metadata, Column("key", String, primary_key=True), Column("value", Text))
 
@@ -65,8 +69,8 @@ runs = Table(
     Column("finished", Float),
     Column("error", Text),
     Column("resumed_from_run", String),
-    Column("resumed_from_step", Integer),
-    Column("step", Integer),
+    Column("resumed_from_step", Int64),
+    Column("step", Int64),
 )
 
 # One row per (run, metric, step): a replayed point overwrites instead of duplicating.
@@ -76,7 +80,7 @@ metrics = Table(
     metadata,
     Column("run_pk", Integer, primary_key=True),
     Column("name", String, primary_key=True),
-    Column("step", Integer, primary_key=True),
+    Column("step", Int64, primary_key=True),
     Column("value", Float),
     Column("time", Float, nullable=False),
     sqlite_with_rowid=False,
@@ -88,7 +92,7 @@ latest = Table(
     metadata,
     Column("run_pk", Integer, primary_key=True),
     Column("name", String, primary_key=True),
-    Column("step", Integer, nullable=False),
+    Column("step", Int64, nullable=False),
     Column("value", Float),
     sqlite_with_rowid=False,
 )
@@ -113,7 +117,7 @@ run_nonfinite = Table(
     "run_nonfinite",
     metadata,
     Column("run_pk", Integer, primary_key=True),
-    Column("step", Integer, nullable=False),
+    Column("step", Int64, nullable=False),
     Column("name", String, nullable=False),
 )
 
@@ -132,11 +136,11 @@ checkpoints = Table(
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_pk", Integer, nullable=False),
-    Column("step", Integer, nullable=False),
+    Column("step", Int64, nullable=False),
     Column("path", Text, nullable=False),
-    Column("consumed_tokens", Integer),
+    Column("consumed_tokens", Int64),
     Column("topology", Text, nullable=False, default="{}"),
-    Column("size", Integer),
+    Column("size", Int64),
     Column("complete", Integer, nullable=False, default=1),
     Column("created", Float),
     Column("source", String, nullable=False, default="message"),  # or "disk"
@@ -164,9 +168,9 @@ rank_stats = Table(
     "rank_stats",
     metadata,
     Column("run_pk", Integer, primary_key=True),
-    Column("step", Integer, primary_key=True),
+    Column("step", Int64, primary_key=True),
     Column("time", Float, nullable=False),
-    Column("interval", Integer, nullable=False),
+    Column("interval", Int64, nullable=False),
     Column("n", Integer, nullable=False),  # entries (ranks)
     Column("coords", LargeBinary, nullable=False),  # int64 (rank, dp, tp, pp, cp) per entry
     Column("hosts", Text, nullable=False),  # JSON list, one per entry
@@ -179,7 +183,7 @@ timelines = Table(
     "timelines",
     metadata,
     Column("run_pk", Integer, primary_key=True),
-    Column("step", Integer, primary_key=True),
+    Column("step", Int64, primary_key=True),
     Column("time", Float, nullable=False),
     Column("schedule", String, nullable=False),
     Column("pp", Integer, nullable=False),
@@ -189,6 +193,9 @@ timelines = Table(
     Column("bubble_formula", Float),
     Column("n_spans", Integer, nullable=False),
     Column("spans", Text, nullable=False),
+    # JSON: the rank clocks' alignment (offsets and uncertainty, ms) and the send/receive
+    # order violations found; a timeline that violates the order has no measured bubble
+    Column("clock", Text, nullable=False, server_default="{}"),
     sqlite_with_rowid=False,
 )
 
@@ -198,7 +205,7 @@ events = Table(
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_pk", Integer, nullable=False),
-    Column("step", Integer),
+    Column("step", Int64),
     Column("time", Float, nullable=False),
     Column("kind", String, nullable=False),
     Column("severity", String, nullable=False),
@@ -220,7 +227,7 @@ samples = Table(
     "samples",
     metadata,
     Column("run_pk", Integer, primary_key=True),
-    Column("step", Integer, primary_key=True),  # stored once per (run, step)
+    Column("step", Int64, primary_key=True),  # stored once per (run, step)
     Column("time", Float, nullable=False),
     Column("max_new_tokens", Integer),
     Column("samples", Text, nullable=False),  # JSON list of {prompt, completion}
@@ -255,7 +262,15 @@ def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
     cur.close()
 
 
-def lock_database(path: str | Path) -> IO[bytes]:
+def lock_database(db: str | Path) -> IO[bytes] | PgLock:
+    """Hold a lock that makes this the one server of the database: an flock on an SQLite
+    file (lock_file), an advisory lock on a PostgreSQL database (backend.PgLock)."""
+    if is_url(str(db)):
+        return PgLock(str(db))
+    return lock_file(db)
+
+
+def lock_file(path: str | Path) -> IO[bytes]:
     """Hold an flock on the database file itself while serving: a second server on the same
     file, under any path to it (a symlink, a hard link, `..`), refuses to start instead of
     serving series that the first one's writer changes under it.
@@ -287,9 +302,21 @@ def lock_database(path: str | Path) -> IO[bytes]:
     return f
 
 
-def open_database(path: str | Path) -> Engine:
-    """Open (creating if new) the dashboard database; a foreign or corrupt file is an error."""
-    path = Path(path)
+def open_database(db: str | Path) -> Engine:
+    """Open (creating if new) the dashboard database, an SQLite file or a PostgreSQL URL,
+    and bring its schema to SCHEMA_VERSION; a foreign, corrupt or newer one is an error."""
+    if is_url(str(db)):
+        engine = pg_engine(str(db))
+        try:
+            _check_and_create(engine, shown(str(db)))
+        except SADatabaseError as e:
+            engine.dispose()
+            raise connect_error(str(db), e) from None
+        except DatabaseFileError:
+            engine.dispose()
+            raise
+        return engine
+    path = Path(db)
     if path.exists() and path.is_dir():
         raise DatabaseFileError(f"--db {path}: is a directory, not a database file")
     if path.exists() and path.stat().st_size > 0:
@@ -299,7 +326,7 @@ def open_database(path: str | Path) -> Engine:
     engine = create_engine(f"sqlite:///{path}", future=True)
     event.listen(engine, "connect", _on_connect)
     try:
-        _check_and_create(engine, path)
+        _check_and_create(engine, str(path))
     except SADatabaseError as e:
         engine.dispose()
         raise DatabaseFileError(
@@ -311,46 +338,41 @@ def open_database(path: str | Path) -> Engine:
     return engine
 
 
-def _check_and_create(engine: Engine, path: Path) -> None:
+def _check_and_create(engine: Engine, name: str) -> None:
     with engine.begin() as conn:
-        problems = [r[0] for r in conn.execute(text("PRAGMA quick_check(5)")).fetchall()]
-        if problems != ["ok"]:
-            raise DatabaseFileError(
-                f"--db {path} is corrupt ({'; '.join(problems)[:300]}); "
-                + RECOVER_HINT.format(path=path)
-            )
+        if conn.dialect.name == "sqlite":
+            problems = [r[0] for r in conn.execute(text("PRAGMA quick_check(5)")).fetchall()]
+            if problems != ["ok"]:
+                raise DatabaseFileError(
+                    f"--db {name} is corrupt ({'; '.join(problems)[:300]}); "
+                    + RECOVER_HINT.format(path=name)
+                )
         names = set(inspect(conn).get_table_names())
         if names and "meta" not in names:
             raise DatabaseFileError(
-                f"--db {path}: an SQLite file but not a nanotron dashboard database "
-                f"(tables: {', '.join(sorted(names))})"
+                f"--db {name}: a database but not a nanotron dashboard database "
+                f"(tables: {', '.join(sorted(names))[:300]})"
             )
+        version = SCHEMA_VERSION
         if "meta" in names:
             row = conn.execute(text("SELECT value FROM meta WHERE key='schema_version'")).first()
             version = int(row[0]) if row else 0
             if version > SCHEMA_VERSION:
                 raise DatabaseFileError(
-                    f"--db {path}: schema version {version} is newer than this release "
+                    f"--db {name}: schema version {version} is newer than this release "
                     f"supports ({SCHEMA_VERSION}); upgrade nanotron-dashboard"
                 )
-            if version < SCHEMA_VERSION:
-                migrate(conn, version)
+        migrate(conn, version)
         metadata.create_all(conn)
         # completes the migration from 1, and seals rows written without the writer
-        seal_all(conn.connection.driver_connection)
+        seal_all(Raw(conn))
         conn.execute(
-            text("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', :v)"),
+            text(
+                "INSERT INTO meta(key, value) VALUES ('schema_version', :v) "
+                "ON CONFLICT(key) DO UPDATE SET value=excluded.value"
+            ),
             {"v": str(SCHEMA_VERSION)},
         )
-
-
-def migrate(conn: object, from_version: int) -> None:
-    """Upgrade an older schema in place.
-
-    1 -> 2 adds the table series_blocks: create_all creates it and seal_all fills it from
-    the metrics already stored (about 2 s per million points, once).
-    """
-    del conn, from_version
 
 
 def delete_run(conn: object, run_id: str) -> int | None:

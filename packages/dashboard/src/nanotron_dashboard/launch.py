@@ -49,8 +49,9 @@ def grant_job(m: RunStart) -> object:
         if row is None or tuple(row[1:]) != sent or not m.command:
             return False
         conn.exec_driver_sql(
-            "INSERT OR REPLACE INTO launch_grants(run_pk, command, cwd, checkpoints_path) "
-            "VALUES (?, ?, ?, ?)",
+            "INSERT INTO launch_grants(run_pk, command, cwd, checkpoints_path) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT(run_pk) DO UPDATE SET command=excluded.command, "
+            "cwd=excluded.cwd, checkpoints_path=excluded.checkpoints_path",
             (row[0], *sent),
         )
         return True

@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from . import blocks, telemetry_queries
+from .backend import Raw, qmarks, tag_filter
 from .checkpoints import newest_complete_step, resume_command
 from .errors import DashboardError
 from .messages import json_float
@@ -78,6 +79,7 @@ def _cursor(value: str) -> tuple[float, int]:
 
 
 def _run_filters(
+    conn: Connection,
     now: float,
     stall_s: float,
     project: str | None,
@@ -98,11 +100,12 @@ def _run_filters(
             "%" + name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         )
     if tag:
-        where.append(telemetry_queries.TAG_FILTER)
+        where.append(tag_filter(conn))
         params["tag"] = tag
     if ids is not None:
-        where.append("id IN (SELECT value FROM json_each(:ids))")
-        params["ids"] = json.dumps(ids)
+        names = [f"id{i}" for i in range(len(ids))]
+        where.append(f"id IN ({', '.join(':' + n for n in names)})" if ids else "0 = 1")
+        params.update(zip(names, ids))
     if status:  # in SQL, so that pages are full pages: stalled is derived from the heartbeat
         params["stale"] = now - stall_s
         fresh = "(heartbeat IS NOT NULL AND heartbeat >= :stale)"
@@ -122,21 +125,13 @@ def _summaries(conn: Connection, rows: list[Any], stall_s: float, now: float) ->
         return []
     last: dict[int, dict[str, Any]] = {r.pk: {} for r in rows}
     flags: dict[int, Any] = {}
-    pks = {"pks": json.dumps(list(last))}
-    for pk, mname, value in conn.execute(
-        text(
-            "SELECT run_pk, name, value FROM latest WHERE run_pk IN "
-            "(SELECT value FROM json_each(:pks))"
-        ),
-        pks,
+    pks = tuple(last)
+    for pk, mname, value in conn.exec_driver_sql(
+        "SELECT run_pk, name, value FROM latest WHERE run_pk IN " + qmarks(len(pks)), pks
     ):
         last[pk][mname] = json_float(value)
-    for pk, step, mname in conn.execute(
-        text(
-            "SELECT run_pk, step, name FROM run_nonfinite WHERE run_pk IN "
-            "(SELECT value FROM json_each(:pks))"
-        ),
-        pks,
+    for pk, step, mname in conn.exec_driver_sql(
+        "SELECT run_pk, step, name FROM run_nonfinite WHERE run_pk IN " + qmarks(len(pks)), pks
     ):
         flags[pk] = (step, mname)
     out = [_summary(r, last[r.pk], flags.get(r.pk), stall_s, now) for r in rows]
@@ -162,7 +157,7 @@ def list_runs(
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Newest first; with `limit`, one page and the cursor of the next one (None at the end)."""
     now = time.time()
-    where, params = _run_filters(now, stall_s, project, status, name, ids, tag)
+    where, params = _run_filters(conn, now, stall_s, project, status, name, ids, tag)
     order = "COALESCE(started, 0)"
     if cursor:
         params["c_started"], params["c_pk"] = _cursor(cursor)
@@ -328,8 +323,8 @@ def load_series(
     conn: Connection, run_pk: int, name: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One whole series as arrays, from its sealed blocks plus the rows after them, through
-    the raw sqlite3 connection (SQLAlchemy rows are slow at 250k rows). NULL becomes NaN."""
-    return blocks.load(conn.connection.driver_connection, run_pk, name)
+    the driver connection (SQLAlchemy rows are slow at 250k rows). NULL becomes NaN."""
+    return blocks.load(Raw(conn), run_pk, name)
 
 
 def metric_series(

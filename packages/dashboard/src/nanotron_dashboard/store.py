@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sqlite3
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from .backend import is_disk_full  # noqa: F401  (the writer imports it from here)
 from .checkpoints import infer_resumed_from
 from .messages import RunStart
 
@@ -32,13 +32,6 @@ NONFINITE = (
     "WHERE excluded.step < run_nonfinite.step"
 )
 DISK_FULL_LOG_EVERY_S = 60.0
-
-
-def is_disk_full(e: BaseException) -> bool:
-    orig = getattr(e, "orig", e)
-    return isinstance(orig, sqlite3.OperationalError) and (
-        getattr(orig, "sqlite_errorcode", None) == 13 or "disk is full" in str(orig)
-    )
 
 
 def refusal(status: int, error: str, **extra: Any) -> dict[str, Any]:
@@ -171,7 +164,7 @@ def touch_run(conn: Connection, pk: int, now: float, step: int) -> None:
     conn.execute(
         text(
             "UPDATE runs SET heartbeat=:now, updated=:now, "
-            "step=MAX(COALESCE(step, -1), :st) WHERE pk=:pk"
+            "step=CASE WHEN COALESCE(step, -1) > :st THEN step ELSE :st END WHERE pk=:pk"
         ),
         {"now": now, "st": step, "pk": pk},
     )

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy.engine import Connection
 
+from .backend import qmarks
 from .errors import DashboardError
 from .telemetry_messages import RANK_FIELDS
 
@@ -73,8 +74,8 @@ def rank_stats(
     col = [RANK_FIELDS.index(f) for f in fields]
     for step, t, interval, n, cbytes, vbytes in conn.exec_driver_sql(
         "SELECT step, time, interval, n, coords, vals FROM rank_stats WHERE run_pk=? AND step "
-        "IN (SELECT value FROM json_each(?)) ORDER BY step",
-        (pk, json.dumps(picked)),
+        f"IN {qmarks(len(picked))} ORDER BY step",
+        (pk, *picked),
     ):
         ranks = np.frombuffer(cbytes, dtype="<i8").reshape(n, 5)[:, 0]
         vals = np.frombuffer(vbytes, dtype="<f8").reshape(n, len(RANK_FIELDS))
@@ -157,8 +158,8 @@ def event_badges(conn: Connection, pks: list[int]) -> dict[int, dict[str, dict[s
     for pk, kind, n, worst in conn.exec_driver_sql(
         "SELECT run_pk, kind, COUNT(*), MAX(CASE severity WHEN 'critical' THEN 2 "
         "WHEN 'warning' THEN 1 ELSE 0 END) FROM events WHERE run_pk IN "
-        "(SELECT value FROM json_each(?)) GROUP BY run_pk, kind",
-        (json.dumps(pks),),
+        f"{qmarks(len(pks))} GROUP BY run_pk, kind",
+        tuple(pks),
     ):
         severity = next(k for k, v in SEVERITY_RANK.items() if v == worst)
         out.setdefault(pk, {})[kind] = {"count": n, "severity": severity}
@@ -169,12 +170,7 @@ def labels(conn: Connection, pks: list[int]) -> dict[int, tuple[list[str], str]]
     return {
         pk: (json.loads(tags), note)
         for pk, tags, note in conn.exec_driver_sql(
-            "SELECT run_pk, tags, note FROM run_labels WHERE run_pk IN "
-            "(SELECT value FROM json_each(?))",
-            (json.dumps(pks),),
+            "SELECT run_pk, tags, note FROM run_labels WHERE run_pk IN " + qmarks(len(pks)),
+            tuple(pks),
         )
     }
-
-
-# the run list's ?tag= filter, as a condition on runs
-TAG_FILTER = "pk IN (SELECT l.run_pk FROM run_labels l, json_each(l.tags) t WHERE t.value = :tag)"

@@ -61,8 +61,10 @@ def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool:
         order = np.argsort(coords[:, 0], kind="stable")
         coords, vals, hosts = coords[order], vals[order], [hosts[i] for i in order.tolist()]
     conn.exec_driver_sql(
-        "INSERT OR REPLACE INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
+        "time=excluded.time, interval=excluded.interval, n=excluded.n, "
+        "coords=excluded.coords, hosts=excluded.hosts, vals=excluded.vals",
         (
             pk,
             m.step,
@@ -82,9 +84,13 @@ def store_timeline(conn: Connection, pk: int, m: PipelineTimeline) -> bool:
     by its name: the dashboard learns the kinds from the timelines it stores."""
     spans = [[s.stage, s.chunk, s.micro_batch, s.kind, s.start_ms, s.end_ms] for s in m.spans]
     conn.exec_driver_sql(
-        "INSERT OR REPLACE INTO timelines(run_pk, step, time, schedule, pp, chunks, "
+        "INSERT INTO timelines(run_pk, step, time, schedule, pp, chunks, "
         "micro_batches, bubble_measured, bubble_formula, n_spans, spans) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
+        "time=excluded.time, schedule=excluded.schedule, pp=excluded.pp, "
+        "chunks=excluded.chunks, micro_batches=excluded.micro_batches, "
+        "bubble_measured=excluded.bubble_measured, bubble_formula=excluded.bubble_formula, "
+        "n_spans=excluded.n_spans, spans=excluded.spans",
         (
             pk,
             m.step,
@@ -143,8 +149,8 @@ def store_event(
 ) -> EventDict | None:
     """Store one event; None when the same (run, kind, step, message) is already stored."""
     row = conn.exec_driver_sql(
-        "INSERT OR IGNORE INTO events(run_pk, step, time, kind, severity, message, details, "
-        "source) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        "INSERT INTO events(run_pk, step, time, kind, severity, message, details, "
+        "source) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING id",
         (pk, step, time_s, kind, severity, message, json.dumps(details, default=str), source),
     ).first()
     if row is None:
@@ -222,7 +228,8 @@ class StallCheck:
         out = []
         for pk, run_id, step, heartbeat in rows:
             conn.exec_driver_sql(
-                "INSERT OR REPLACE INTO run_stall(run_pk, heartbeat) VALUES (?, ?)",
+                "INSERT INTO run_stall(run_pk, heartbeat) VALUES (?, ?) "
+                "ON CONFLICT(run_pk) DO UPDATE SET heartbeat=excluded.heartbeat",
                 (pk, heartbeat),
             )
             last = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(heartbeat))
@@ -251,7 +258,8 @@ def set_labels(conn: Connection, pk: int, tags: list[str] | None, note: str | No
     new_tags = cur_tags if tags is None else tags
     new_note = cur_note if note is None else note
     conn.exec_driver_sql(
-        "INSERT OR REPLACE INTO run_labels(run_pk, tags, note) VALUES (?, ?, ?)",
+        "INSERT INTO run_labels(run_pk, tags, note) VALUES (?, ?, ?) "
+        "ON CONFLICT(run_pk) DO UPDATE SET tags=excluded.tags, note=excluded.note",
         (pk, json.dumps(new_tags), new_note),
     )
     return {"tags": new_tags, "note": new_note}

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from . import store, telemetry_store
+from .backend import Raw
 from .blocks import Sealer
 from .messages import MAX_METRIC_NAMES, Checkpoint, Heartbeat, Metrics, RunEnd, RunStart
 from .store import refusal
@@ -69,7 +70,7 @@ class Handlers:
         """After the batch's messages: its points in one insert, then each run's heartbeat."""
         if b.rows:
             store.insert_metrics(conn, b.rows)
-            self.sealer.after_insert(conn.connection.driver_connection, b.rows)
+            self.sealer.after_insert(Raw(conn), b.rows)
         for run_id in b.touched:
             pk = self.pk(conn, run_id, b.now)
             store.touch_run(conn, pk, b.now, b.max_step.get(run_id, -1))

@@ -1,0 +1,41 @@
+"""The schema's versioned migrations: each release that changes the schema adds a step.
+
+A database records its version in meta.schema_version; at start db.open_database runs, in
+order and in its opening transaction, the steps from the version after it to SCHEMA_VERSION
+(PostgreSQL's DDL is transactional, and so is SQLite's ALTER TABLE ADD COLUMN: a failed
+upgrade leaves the database as it was). New tables need no step: create_all adds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import inspect, text
+from sqlalchemy.engine import Connection
+
+
+def _to_2(conn: Connection) -> None:
+    """Adds series_blocks: create_all creates it and seal_all fills it from the metrics
+    already stored (about 2 s per million points, once)."""
+
+
+def _to_3(conn: Connection) -> None:
+    """Adds timelines.clock (the rank clocks' alignment and order violations)."""
+    insp = inspect(conn)
+    if "timelines" not in insp.get_table_names():
+        return  # create_all makes it whole
+    if "clock" not in {c["name"] for c in insp.get_columns("timelines")}:
+        conn.execute(text("ALTER TABLE timelines ADD COLUMN clock TEXT NOT NULL DEFAULT '{}'"))
+
+
+# version -> the step that upgrades a database of the version before it.
+# 1: first release. 2: adds series_blocks (filled from metrics when a version-1 file opens).
+# 3: adds timelines.clock.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _to_2, 3: _to_3}
+SCHEMA_VERSION = max(MIGRATIONS)
+
+
+def migrate(conn: Connection, from_version: int) -> None:
+    """Upgrade an older schema in place, one versioned step at a time."""
+    for version in range(from_version + 1, SCHEMA_VERSION + 1):
+        MIGRATIONS[version](conn)
