@@ -13,13 +13,15 @@ from nanotron_models import FAMILIES, LlamaConfig, ModelConfigError, family, fam
 
 
 def test_llama_is_found_by_name_and_by_config() -> None:
-    assert sorted(FAMILIES) == ["llama"]
+    assert sorted(FAMILIES) == ["llama", "qwen2"]
     llama = family("llama")
     assert family_of(tiny_config()) is llama
     assert (llama.config_class, llama.tied_key) == (LlamaConfig, "embedding.weight")
     assert (llama.hf.model_type, llama.hf.architectures) == ("llama", ("LlamaForCausalLM",))
-    with pytest.raises(ModelConfigError, match=r"model family 'qwen2' is not one of \['llama'\]"):
-        family("qwen2")
+    with pytest.raises(
+        ModelConfigError, match=r"model family 'gpt2' is not one of \['llama', 'qwen2'\]"
+    ):
+        family("gpt2")
     with pytest.raises(ModelConfigError, match="no model family has the config class dict"):
         family_of({})
 

@@ -1,11 +1,12 @@
 """Model families built from nanotron-parallel primitives, found by name in families.py.
 
-Llama today, identical to Hugging Face's LlamaForCausalLM.
+Llama (identical to Hugging Face's LlamaForCausalLM) and Nanotron's Qwen2 (Qwen2ForCausalLM,
+SmolLM3ForCausalLM: NoPE layers, sliding windows, document masking).
 """
 
 from .attention import resolve_backend
 from .config import LlamaConfig, ModelConfigError
-from .families import FAMILIES, ModelFamily, family, family_of
+from .families import FAMILIES, ModelFamily, config_from_dict, family, family_of
 from .flops import (
     BlockSpec,
     llama_block_costs,
@@ -22,6 +23,7 @@ from .model import (
     full_state_dict,
     load_full_state_dict,
 )
+from .qwen2 import Qwen2Config
 
 __all__ = [
     "FAMILIES",
@@ -31,8 +33,10 @@ __all__ = [
     "LlamaStage",
     "ModelConfigError",
     "ModelFamily",
+    "Qwen2Config",
     "build_llama",
     "build_llama_stage",
+    "config_from_dict",
     "family",
     "family_of",
     "full_state_dict",

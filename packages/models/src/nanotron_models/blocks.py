@@ -29,8 +29,9 @@ from nanotron_parallel.tensor_parallel import (
 from nanotron_parallel.tensor_parallel.weight_grad import defer, splitting
 
 from .attention import attention, resolve_backend
-from .config import LlamaConfig
+from .config import LlamaConfig, ModelConfigError
 from .kv_cache import KVCache
+from .masks import DOCUMENT_IDS_KEY, AttentionMask, document_ids, masked_attention
 from .rotary import RotaryTable, apply_rotary, rotate_qkv
 
 Batch = dict[str, torch.Tensor]
@@ -51,13 +52,20 @@ class RMSNorm(nn.Module):
         sequence_parallel: bool = False,
         device=None,
         dtype=None,
+        fused: bool = True,
     ):
         super().__init__()
         self.eps, self.group, self.sequence_parallel = eps, group, sequence_parallel
+        self.fused = fused  # False: plain ops (Nanotron's _fused_rms_norm: false)
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
         weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
+        if not self.fused:
+            xf = x.float()
+            return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+                x.dtype
+            )
         if splitting():  # a zero-bubble step: the weight gradient's tp sum happens in its W
             group = self.group if self.sequence_parallel else None
             return _RMSNormFunction.apply(x, self.weight, self.eps, group)
@@ -129,14 +137,32 @@ class Attention(nn.Module):
             h, qkv_out, group, mode, bias=bias, device=device, dtype=dtype, sections=sections
         )
         self.o_proj = RowParallelLinear(
-            c.num_attention_heads * d, h, group, mode, bias=bias, device=device, dtype=dtype
+            c.num_attention_heads * d,
+            h,
+            group,
+            mode,
+            bias=c.o_proj_bias,
+            device=device,
+            dtype=dtype,
         )
         self.cp_group, self.cp_size, self.cp_native = None, 1, None
+        # The family's attention (config.py's DecoderConfig): NoPE layers, windows, documents.
+        self.use_rope, self.window = c.uses_rope(layer), c.sliding_window(layer)
+        self.document_masking = c.document_masking
+        self.fused_rotary = getattr(c, "_fused_rotary_emb", True)
 
     def set_context_parallel(self, group, size: int, native_reduce_scatter: bool | None) -> None:
         """Hold 1/cp of every sequence (the layout of nanotron_parallel.context_parallel):
         keys and values are gathered over `group` (cp ranks), positions are global."""
         self.cp_group, self.cp_size, self.cp_native = group, size, native_reduce_scatter
+
+    def mask(self, doc_ids: torch.Tensor | None, decoding: bool) -> AttentionMask | None:
+        """This layer's mask beyond causality (None: plain causal). Decoding runs one document
+        per sequence: only the window applies there."""
+        docs = doc_ids if self.document_masking and not decoding else None
+        if docs is None and self.window is None:
+            return None
+        return AttentionMask(docs, self.window)
 
     def forward(
         self,
@@ -144,10 +170,36 @@ class Attention(nn.Module):
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         key_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, (heads + 2 kv) * d / tp], the full sequence
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.n_heads + 2 * self.n_kv, self.head_dim)
+        q, k, v = self._rotate(qkv, x, position_ids, kv_cache)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, k, v)
+        backend = resolve_backend(self.backend, x.device)
+        mask = self.mask(doc_ids, kv_cache is not None)
+        if self.cp_size > 1 and kv_cache is None and key_mask is None:
+            if mask is not None:
+                raise ModelConfigError(
+                    "document masking and sliding windows do not run under context parallel yet"
+                )
+            kernel = functools.partial(attention, backend=backend)
+            out = context_parallel_attention(q, k, v, self.cp_group, kernel, self.cp_native)
+        elif mask is not None:
+            s_k = k.shape[0]
+            k_index = torch.arange(s_k, device=x.device)
+            out = masked_attention(q, k, v, k_index[s_k - s :], k_index, mask, backend, key_mask)
+        else:
+            out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
+        return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))
+
+    def _rotate(self, qkv, x, position_ids, kv_cache):
+        """q, k (rotated, unless a NoPE layer) and v [s, b, heads, d]."""
+        s = qkv.shape[0]
+        if not self.use_rope:
+            return qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         offset = kv_cache.offset if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(offset, offset + s, device=x.device)
@@ -158,21 +210,12 @@ class Attention(nn.Module):
             length = s * self.cp_size if self.cp_size > 1 else None
             cos, sin = self.rotary.cos_sin(position_ids.transpose(0, 1), x.device, x.dtype, length)
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        if torch.compiler.is_compiling():  # plain ops: inductor fuses them
+        if torch.compiler.is_compiling() or not self.fused_rotary:  # plain ops
             # One rotation for q and k together: they are adjacent in the fused projection.
             qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)
             q, k = apply_rotary(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
-        else:
-            q, k, v = rotate_qkv(qkv, cos, sin, self.n_heads, self.n_kv)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer, k, v)
-        backend = resolve_backend(self.backend, x.device)
-        if self.cp_size > 1 and kv_cache is None and key_mask is None:
-            kernel = functools.partial(attention, backend=backend)
-            out = context_parallel_attention(q, k, v, self.cp_group, kernel, self.cp_native)
-        else:
-            out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
-        return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))
+            return q, k, v
+        return rotate_qkv(qkv, cos, sin, self.n_heads, self.n_kv)
 
 
 class MLP(nn.Module):
@@ -231,16 +274,24 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, h = config.rms_norm_eps, config.hidden_size
         sp = mode == TensorParallelLinearMode.REDUCE_SCATTER
-        self.input_norm = RMSNorm(h, eps, group, sp, device, dtype)
+        fused = getattr(config, "_fused_rms_norm", True)
+        self.input_norm = RMSNorm(h, eps, group, sp, device, dtype, fused)
         self.attn = Attention(config, layer, group, mode, rotary, backend, device, dtype)
-        self.post_attn_norm = RMSNorm(h, eps, group, sp, device, dtype)
+        self.post_attn_norm = RMSNorm(h, eps, group, sp, device, dtype, fused)
         self.mlp = MLP(config, group, mode, device, dtype)
 
     def forward(
         self, x: torch.Tensor, batch: Batch, *, kv_cache: KVCache | None = None
     ) -> torch.Tensor:
         position_ids = batch.get("position_ids")
-        x = x + self.attn(self.input_norm(x), position_ids, kv_cache, batch.get("key_mask"))
+        doc_ids = None
+        if self.attn.document_masking and kv_cache is None:
+            # the data's full-sequence ids (kept whole under context parallel), else derived
+            doc_ids = batch.get(DOCUMENT_IDS_KEY)
+            if doc_ids is None and position_ids is not None:
+                doc_ids = document_ids(position_ids)
+        attn_in = self.input_norm(x)
+        x = x + self.attn(attn_in, position_ids, kv_cache, batch.get("key_mask"), doc_ids)
         return x + self.mlp(self.post_attn_norm(x))
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 # The dtype names of configs and checkpoints (`model.dtype`), in one place.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-ATTN_BACKENDS = ("auto", "sdpa", "flash_attn")
+# flex: torch flex_attention (compiled; block-sparse masks), see masks.py.
+ATTN_BACKENDS = ("auto", "sdpa", "flash_attn", "flex")
 # Nanotron's `_attn_implementation` values -> our backends; the others are refused.
 # llama3_ring_attention is Nanotron's context-parallel attention: an all-gather of keys and
 # values as in the Llama 3 paper over flash-attn, which is what context parallel does here.
@@ -29,8 +30,85 @@ class ModelConfigError(ValueError):
     """A model configuration value a user can get wrong; the message names the field."""
 
 
+class DecoderConfig:
+    """What every family's config answers (no fields: each family's dataclass has its own,
+    with Nanotron's names and defaults). The per-layer questions (`uses_rope`,
+    `sliding_window`) and `document_masking` are how the blocks learn the family's attention."""
+
+    NANOTRON_ATTENTION: ClassVar[dict] = {}
+
+    def checks(self) -> tuple[ModelCheck, ...]:
+        raise NotImplementedError
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend to use: attn_backend when set, else Nanotron's _attn_implementation."""
+        if self.attn_backend != "auto":
+            return self.attn_backend
+        return self.NANOTRON_ATTENTION.get(self._attn_implementation, "auto")
+
+    @property
+    def z_loss_weight(self) -> float:
+        return self.z_loss_coefficient if self.z_loss_enabled else 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        assert self.num_key_value_heads is not None
+        return self.num_key_value_heads
+
+    @property
+    def document_masking(self) -> bool:
+        """Attention stays inside each document of a packed sequence (positions restart)."""
+        return bool(self._use_doc_masking)
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention's output projection has a bias (Llama: attention_bias)."""
+        return bool(self.attention_bias)
+
+    @property
+    def rope_interpolation(self) -> float | None:
+        """Position interpolation factor (positions divided by it before RoPE), or None."""
+        return None
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) rotates q and k (False: a NoPE layer)."""
+        return True
+
+    def sliding_window(self, layer: int) -> int | None:
+        """How many keys (itself included) each query of `layer` sees at most, or None."""
+        return None
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocab rounded up to a multiple of tp (the extra rows are zero and masked in the loss)."""
+        return -(-self.vocab_size // tp) * tp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ModelConfigError(f"model_config: unknown key(s) {unknown}")
+        return cls(**d)
+
+    def validate(self, tp: int = 1):
+        """Check every field (and compatibility with `tp`) against the family's check rows,
+        in order; raise ModelConfigError naming the field of the first that fails."""
+        for check in self.checks():
+            if not check.holds(self, tp):
+                raise ModelConfigError(check.message(self, tp))
+        return self
+
+
 @dataclass
-class LlamaConfig:
+class LlamaConfig(DecoderConfig):
     """Llama hyper-parameters, with the names Nanotron's YAML uses under `model.model_config`.
 
     `rope_scaling` is None (plain RoPE) or a Llama-3 scaling dict:
@@ -75,52 +153,18 @@ class LlamaConfig:
     # Ours: which attention kernel to use ("auto" = flash_attn on CUDA when installed, else sdpa).
     attn_backend: str = "auto"
 
+    # Ours (Nanotron's Qwen2 key): attention stays inside each document of a packed sequence,
+    # whose boundaries the data gives (position ids restarting at 0).
+    _use_doc_masking: bool = False
+
+    NANOTRON_ATTENTION = NANOTRON_ATTENTION
+
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
 
-    @property
-    def attention_backend(self) -> str:
-        """The backend to use: attn_backend when set, else Nanotron's _attn_implementation."""
-        if self.attn_backend != "auto":
-            return self.attn_backend
-        return NANOTRON_ATTENTION.get(self._attn_implementation, "auto")
-
-    @property
-    def z_loss_weight(self) -> float:
-        return self.z_loss_coefficient if self.z_loss_enabled else 0.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def n_kv_heads(self) -> int:
-        assert self.num_key_value_heads is not None
-        return self.num_key_value_heads
-
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        """Vocab rounded up to a multiple of tp (the extra rows are zero and masked in the loss)."""
-        return -(-self.vocab_size // tp) * tp
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ModelConfigError(f"model_config: unknown key(s) {unknown}")
-        return cls(**d)
-
-    def validate(self, tp: int = 1) -> LlamaConfig:
-        """Check every field (and compatibility with `tp`) against `LLAMA_CHECKS`, in order;
-        raise ModelConfigError naming the field of the first that fails."""
-        for check in LLAMA_CHECKS:
-            if not check.holds(self, tp):
-                raise ModelConfigError(check.message(self, tp))
-        return self
+    def checks(self) -> tuple[ModelCheck, ...]:
+        return LLAMA_CHECKS
 
 
 @dataclass(frozen=True)
@@ -167,7 +211,8 @@ _SIZES = (
 _POSITIVE = ("rms_norm_eps", "rope_theta", "initializer_range")
 _MC = "model_config"
 
-LLAMA_CHECKS: tuple[ModelCheck, ...] = (
+# The rows every family shares (Qwen2 adds its own after them).
+SHARED_CHECKS: tuple[ModelCheck, ...] = (
     *_field_rows(_SIZES, _positive_int, "a positive integer"),
     *_field_rows(_POSITIVE, _positive_number, "a positive number"),
     ModelCheck(
@@ -225,15 +270,6 @@ LLAMA_CHECKS: tuple[ModelCheck, ...] = (
         lambda c, tp: f"{_MC}.attn_backend must be one of {ATTN_BACKENDS}, got {c.attn_backend!r}",
     ),
     ModelCheck(
-        lambda c, tp: c._attn_implementation in NANOTRON_ATTENTION,
-        lambda c, tp: (
-            f"{_MC}._attn_implementation {c._attn_implementation!r} asks for an "
-            "attention kernel this project does not have: use flash_attention_2, sdpa, "
-            "null, or llama3_ring_attention (the context-parallel attention here, Llama 3's "
-            "all-gather of keys and values; ring and flex attention are not implemented)"
-        ),
-    ),
-    ModelCheck(
         lambda c, tp: c.z_loss_coefficient >= 0,
         lambda c, tp: f"{_MC}.z_loss_coefficient must be >= 0, got {c.z_loss_coefficient}",
     ),
@@ -243,10 +279,6 @@ LLAMA_CHECKS: tuple[ModelCheck, ...] = (
             f"{_MC}.rope_interleaved=True is not supported (we use the rotate-half "
             "layout of Hugging Face)"
         ),
-    ),
-    ModelCheck(
-        lambda c, tp: bool(c.is_llama_config),
-        lambda c, tp: f"{_MC}.is_llama_config is false: only Llama models are supported here",
     ),
     ModelCheck(
         lambda c, tp: bool(c.use_cache),
@@ -272,6 +304,27 @@ LLAMA_CHECKS: tuple[ModelCheck, ...] = (
     ModelCheck(
         lambda c, tp: _rope_scaling_error(c.rope_scaling) is None,
         lambda c, tp: _rope_scaling_error(c.rope_scaling),
+    ),
+)
+
+LLAMA_CHECKS: tuple[ModelCheck, ...] = (
+    *SHARED_CHECKS,
+    ModelCheck(
+        lambda c, tp: c._attn_implementation in NANOTRON_ATTENTION,
+        lambda c, tp: (
+            f"{_MC}._attn_implementation {c._attn_implementation!r} asks for an "
+            "attention kernel this project does not have: use flash_attention_2, sdpa, "
+            "null, or llama3_ring_attention (the context-parallel attention here, Llama 3's "
+            "all-gather of keys and values; ring and flex attention are not implemented)"
+        ),
+    ),
+    ModelCheck(
+        lambda c, tp: bool(c.is_llama_config),
+        lambda c, tp: f"{_MC}.is_llama_config is false: only Llama models are supported here",
+    ),
+    ModelCheck(
+        lambda c, tp: isinstance(c._use_doc_masking, bool),
+        lambda c, tp: f"{_MC}._use_doc_masking must be true or false, got {c._use_doc_masking!r}",
     ),
 )
 

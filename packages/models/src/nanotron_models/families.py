@@ -4,8 +4,8 @@ A row gathers what the rest of the stack needs of a family: its config class; it
 (names in forward order, their relative costs for pipeline placement, the builder of a
 stage holding some of them); its parameter naming (the global names' init/sharding rule and
 the name tied parameters share); its size and FLOPs; and its Hugging Face mapping (config and
-state dict, both ways). Llama is the only family today; another one (Qwen2, say) is its
-modules plus one row in `FAMILIES`.
+state dict, both ways). Llama and Nanotron's Qwen2; another family is its modules plus one
+row in `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from .hf import (
     hf_state_dict_to_ours_full,
     our_full_state_dict_to_hf,
 )
+from .hf_qwen2 import qwen2_architecture, qwen2_config_from_hf, qwen2_config_to_hf
 from .init import InitSpec, llama_init_spec
 from .model import TIED_KEY, build_llama_stage
+from .qwen2 import Qwen2Config
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,17 @@ class HFMapping:
     config_to_hf: Callable[[Any], Any]
     state_dict_from_hf: Callable[[dict, Any], dict]
     state_dict_to_hf: Callable[[dict, Any], dict]
+    model_types: tuple[str, ...] = ()  # every config.json model_type read (default: model_type)
+    architecture_of: Callable[[Any], str] | None = None  # the class written (default: the first)
+
+    def reads(self, model_type: Any, architectures: Any) -> bool:
+        """Whether a config.json with this model_type / architectures is of this family."""
+        if model_type in (self.model_types or (self.model_type,)):
+            return True
+        return any(a in self.architectures for a in (architectures or ()))
+
+    def architecture(self, config: Any) -> str:
+        return self.architecture_of(config) if self.architecture_of else self.architectures[0]
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,7 @@ class ModelFamily:
     num_parameters: Callable[[Any], int]
     training_flops_per_token: Callable[[Any, int], float]
     hf: HFMapping
+    yaml_marker: str = ""  # the model_config key that names the family in a Nanotron YAML
 
 
 LLAMA = ModelFamily(
@@ -86,9 +100,35 @@ LLAMA = ModelFamily(
         state_dict_from_hf=hf_state_dict_to_ours_full,
         state_dict_to_hf=our_full_state_dict_to_hf,
     ),
+    yaml_marker="is_llama_config",
 )
 
-FAMILIES: dict[str, ModelFamily] = {"llama": LLAMA}
+# Nanotron's Qwen2 (SmolLM3's architecture): Llama's blocks and names, the family's attention
+# said by its config (q/k/v biases, NoPE layers, sliding windows, document masking).
+QWEN2 = ModelFamily(
+    name="qwen2",
+    config_class=Qwen2Config,
+    build_stage=build_llama_stage,
+    block_names=llama_block_names,
+    block_costs=llama_block_costs,
+    init_spec=llama_init_spec,
+    tied_key=TIED_KEY,
+    num_parameters=num_parameters,
+    training_flops_per_token=training_flops_per_token,
+    hf=HFMapping(
+        model_type="qwen2",
+        architectures=("Qwen2ForCausalLM", "SmolLM3ForCausalLM"),
+        config_from_hf=qwen2_config_from_hf,
+        config_to_hf=qwen2_config_to_hf,
+        state_dict_from_hf=hf_state_dict_to_ours_full,
+        state_dict_to_hf=our_full_state_dict_to_hf,
+        model_types=("qwen2", "smollm3"),
+        architecture_of=qwen2_architecture,
+    ),
+    yaml_marker="is_qwen2_config",
+)
+
+FAMILIES: dict[str, ModelFamily] = {"llama": LLAMA, "qwen2": QWEN2}
 
 
 def family(name: str) -> ModelFamily:
@@ -96,6 +136,36 @@ def family(name: str) -> ModelFamily:
     if name not in FAMILIES:
         raise ModelConfigError(f"model family {name!r} is not one of {sorted(FAMILIES)}")
     return FAMILIES[name]
+
+
+def family_of_yaml(model_config: Any) -> ModelFamily:
+    """The family a Nanotron YAML's model_config mapping names (`is_qwen2_config: true`, ...);
+    Llama when none does, as Nanotron's loader tries LlamaConfig first."""
+    if isinstance(model_config, dict):
+        for row in FAMILIES.values():
+            if row.yaml_marker and model_config.get(row.yaml_marker) is True:
+                return row
+    return LLAMA
+
+
+def config_from_dict(d: dict[str, Any]) -> Any:
+    """A model config of the family `d` names (a checkpoint's or a YAML's model_config)."""
+    return family_of_yaml(d).config_class.from_dict(d)
+
+
+def family_of_hf(hf_config: Any) -> ModelFamily:
+    """The family of a Hugging Face config (object or config.json mapping)."""
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+    for row in FAMILIES.values():
+        if row.hf.reads(get("model_type"), get("architectures")):
+            return row
+    known = sorted(
+        t for row in FAMILIES.values() for t in row.hf.model_types or (row.hf.model_type,)
+    )
+    raise ModelConfigError(
+        f"model_type {get('model_type')!r} (architectures {get('architectures')}) is not one of "
+        f"{known}"
+    )
 
 
 def family_of(config: Any) -> ModelFamily:

@@ -15,10 +15,18 @@ def _layer_matmul_params(c: LlamaConfig) -> int:
     return qkv + o_proj + mlp
 
 
+def _layer_biases(c: LlamaConfig) -> int:
+    if not c.attention_bias:
+        return 0
+    qkv = (c.num_attention_heads + 2 * c.n_kv_heads) * c.head_dim
+    return qkv + (c.hidden_size if c.o_proj_bias else 0)
+
+
 def num_parameters(config: LlamaConfig) -> int:
     """Trainable parameters of the unpadded model, a tied embedding counted once."""
     c = config
-    per_layer = _layer_matmul_params(c) + 2 * c.hidden_size  # + two RMSNorm weights
+    # + two RMSNorm weights and the attention biases
+    per_layer = _layer_matmul_params(c) + 2 * c.hidden_size + _layer_biases(c)
     embedding = c.vocab_size * c.hidden_size
     lm_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
     return embedding + c.num_hidden_layers * per_layer + c.hidden_size + lm_head
@@ -36,10 +44,27 @@ def training_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     The attention term is the PaLM / Megatron one: per token and layer, QK^T and AV take
     2 * 2 * h * s FLOPs forward, x3 for forward + backward = 12 * h * s, with the causal mask
     NOT halving it (the usual convention for MFU, so figures compare with published ones).
+
+    Sliding windows: a layer with a window of W keys counts min(W, s) keys per token instead
+    of s (the work a block-sparse kernel does; the same convention, causal mask not halved).
+    Document masking is not counted: how much it saves depends on each batch's documents
+    (a packed batch of documents of length l does about l/s of the attention work), so the
+    figure stays the full-sequence one and MFU is comparable across datasets
+    (docs/models.md).
     """
     c = config
     n = c.num_hidden_layers * _layer_matmul_params(c) + c.vocab_size * c.hidden_size
-    return float(6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len)
+    return float(6 * n + 12 * c.hidden_size * attended_keys(c, seq_len))
+
+
+def attended_keys(config: LlamaConfig, seq_len: int) -> int:
+    """Keys per token summed over the layers, as the FLOPs count them: s per layer, or
+    min(W, s) for a layer with a sliding window of W."""
+    total = 0
+    for layer in range(config.num_hidden_layers):
+        window = config.sliding_window(layer)
+        total += seq_len if window is None else min(window, seq_len)
+    return total
 
 
 def llama_block_names(config: LlamaConfig) -> list[str]:
@@ -55,11 +80,15 @@ def llama_block_costs(config: LlamaConfig, seq_len: int) -> list[float]:
     """
     c, s, h = config, seq_len, config.hidden_size
     embedding = float(s * h)  # a gather: memory-bound, tiny
-    decoder = float(2 * s * _layer_matmul_params(c) + 4 * s * s * h + 20 * s * h)
+    decoders = []
+    for layer in range(c.num_hidden_layers):
+        window = c.sliding_window(layer)
+        keys = s if window is None else min(window, s)
+        decoders.append(float(2 * s * _layer_matmul_params(c) + 4 * s * keys * h + 20 * s * h))
     final_norm = float(4 * s * h)
     lm_head = float(2 * s * c.vocab_size * h)
     loss = float(5 * s * c.vocab_size)  # softmax over the vocab
-    return [embedding, *([decoder] * c.num_hidden_layers), final_norm, lm_head, loss]
+    return [embedding, *decoders, final_norm, lm_head, loss]
 
 
 @dataclass(frozen=True)

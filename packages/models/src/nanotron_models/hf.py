@@ -127,6 +127,7 @@ def hf_state_dict_to_ours_full(hf_sd: dict[str, torch.Tensor], config: LlamaConf
         if config.attention_bias:
             biases = [take(f"{hf}.self_attn.{p}_proj.bias") for p in "qkv"]
             out[f"{ours}.attn.qkv.bias"] = torch.cat(biases, dim=0)
+        if config.o_proj_bias:
             out[f"{ours}.attn.o_proj.bias"] = take(f"{hf}.self_attn.o_proj.bias")
         gate_up = [take(f"{hf}.mlp.{p}_proj.weight") for p in ("gate", "up")]
         out[f"{ours}.mlp.gate_up.weight"] = torch.cat(gate_up, dim=0)
@@ -195,6 +196,7 @@ def our_full_state_dict_to_hf(
             out[f"{hf}.self_attn.q_proj.bias"] = qb
             out[f"{hf}.self_attn.k_proj.bias"] = kb
             out[f"{hf}.self_attn.v_proj.bias"] = vb
+        if c.o_proj_bias:
             out[f"{hf}.self_attn.o_proj.bias"] = full_sd[f"{ours}.attn.o_proj.bias"]
         gate, up = torch.chunk(full_sd[f"{ours}.mlp.gate_up.weight"], 2, dim=0)
         out[f"{hf}.mlp.gate_proj.weight"] = gate

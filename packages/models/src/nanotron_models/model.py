@@ -59,7 +59,7 @@ class LlamaStage(nn.Module):
         self.tp_mode = tp_mode
         group, c = pc.tp_group, config
         vpad = c.padded_vocab_size(pc.tp_size)
-        self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_interpolation)
         kw = {"device": device, "dtype": dtype}
         if "embedding" in block_names:
             self.embedding = Embedding(vpad, c.hidden_size, group, tp_mode, **kw)
@@ -72,7 +72,8 @@ class LlamaStage(nn.Module):
         )
         if "final_norm" in block_names:
             sp = tp_mode == TensorParallelLinearMode.REDUCE_SCATTER
-            self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, group, sp, **kw)
+            fused = getattr(c, "_fused_rms_norm", True)
+            self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, group, sp, fused=fused, **kw)
         if "lm_head" in block_names:
             self.lm_head = LMHead(c.hidden_size, vpad, group, tp_mode, **kw)
         if "loss" in block_names:

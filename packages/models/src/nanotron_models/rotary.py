@@ -39,8 +39,16 @@ class RotaryTable:
     Not an nn.Module buffer on purpose: it is derived from the config, never trained nor saved.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        interpolation: float | None = None,
+    ):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        # Position interpolation: position p is rotated as p / interpolation.
+        self.interpolation = interpolation
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _table(self, length: int, device: torch.device, dtype: torch.dtype):
@@ -49,6 +57,8 @@ class RotaryTable:
         if cached is None or cached[0].shape[0] < length:
             size = max(length, 2 * cached[0].shape[0] if cached is not None else length)
             pos = torch.arange(size, device=device, dtype=torch.float32)
+            if self.interpolation is not None:
+                pos = pos / self.interpolation
             freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cached = (emb.cos().to(dtype), emb.sin().to(dtype))

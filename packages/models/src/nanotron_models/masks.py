@@ -1,0 +1,138 @@
+"""Attention masks by global token index: documents of a packed sequence, sliding windows.
+
+A mask is a function of WHICH tokens a block of queries and a block of keys are: their global
+positions in the (packed) sequence, `q_index` [s_q] and `k_index` [s_k]. Causality is
+`k_index <= q_index`; a sliding window of W adds `q_index - k_index < W` (a query sees itself
+and the W-1 keys before it: flash-attn's `window_size=(W-1, 0)`, Hugging Face's
+`sliding_window=W`); document masking adds "same document", read from the micro-batch's
+full-sequence document ids. Written by index, the same mask serves one device (indices
+0..S-1), a KV cache (queries at the end) and context parallel (each rank's chunks), whose code
+knows nothing of documents or windows: it is handed `mask_fn`.
+
+Document ids come from the data: position ids restart at 0 at each document start (Nanotron's
+convention, `return_positions`), so document d of a row is the tokens from its d-th zero on
+(`document_ids`). A row's first token opens a document whatever its position (a sample that
+starts inside a document).
+
+Kernels. `masked_attention` runs flex attention (block-sparse: fully masked blocks of 128x128
+are skipped, which is where packed short documents and windows save work) on CUDA or when
+asked for, and sdpa with the explicit boolean mask otherwise (the CPU: compiling flex there
+costs seconds per shape). Both give the same values (tests/models/test_masks.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DOCUMENT_IDS_KEY = "document_ids"
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, S] document index of each token from position ids restarting at 0 per document."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    return starts.cumsum(dim=1)
+
+
+@dataclass
+class AttentionMask:
+    """The mask of one layer on one micro-batch: `document_ids` [b, S] (None: no document
+    masking) and `window` (None: no sliding window), beyond causality."""
+
+    document_ids: torch.Tensor | None = None
+    window: int | None = None
+
+    def __call__(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        """`mask_fn(q_index, k_index)`: True where query i may see key j, shape
+        [b or 1, 1, s_q, s_k]."""
+        rel = q_index[:, None] - k_index[None, :]
+        allowed = rel >= 0
+        if self.window is not None:
+            allowed = allowed & (rel < self.window)
+        allowed = allowed[None, None]
+        if self.document_ids is not None:
+            doc = self.document_ids
+            same = doc[:, q_index][:, :, None] == doc[:, k_index][:, None, :]
+            allowed = allowed & same[:, None]
+        return allowed
+
+    def mask_mod(self, q_index: torch.Tensor, k_index: torch.Tensor):
+        """flex attention's mask_mod over this mask's global indices."""
+        doc, window = self.document_ids, self.window
+
+        def mod(b, h, q, k):
+            qi, ki = q_index[q], k_index[k]
+            ok = ki <= qi
+            if window is not None:
+                ok = ok & (qi - ki < window)
+            if doc is not None:
+                ok = ok & (doc[b, qi] == doc[b, ki])
+            return ok
+
+        return mod
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+    mask: AttentionMask,
+    backend: str = "sdpa",
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q [s_q, b, h, d] on k, v [s_k, b, kv, d] (sequence-first, GQA) under
+    `mask` at the given global indices; `key_mask` [b, s_k] (True = a real token) hides
+    decoding's left padding. Returns [s_q, b, h, d]."""
+    if backend == "flex" and key_mask is None:
+        return _flex(q, k, v, q_index, k_index, mask)
+    allowed = mask(q_index, k_index)
+    if key_mask is not None:  # padding rows still see themselves: finite, unused outputs
+        diagonal = (q_index[:, None] == k_index[None, :])[None, None]
+        allowed = (allowed & key_mask[:, None, None, :]) | diagonal
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    gqa = qb.shape[1] != kb.shape[1]
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3)
+
+
+def _flex(q, k, v, q_index, k_index, mask: AttentionMask, compiled: bool = True) -> torch.Tensor:
+    """flex attention with the block mask of `mask` (`compiled=False`: PyTorch's unfused
+    reference, which materialises the scores; for tests)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, s_q, s_k = q.shape[1], q.shape[0], k.shape[0]
+    batch = b if mask.document_ids is not None else None
+    block = create_block_mask(
+        mask.mask_mod(q_index, k_index), batch, None, s_q, s_k, device=q.device
+    )
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    gqa = qb.shape[1] != kb.shape[1]
+    kernel = _compiled_flex() if compiled else flex_attention
+    out = kernel(qb, kb, vb, block_mask=block, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def index_kernel(mask: AttentionMask | None, backend: str, attention):
+    """The kernel context-parallel code calls, `kernel(q, k, v, q_index, k_index)`: the
+    model's mask at those global indices, or plain causal attention (`attention`, bottom-right
+    aligned, exact for contiguous ranges) when there is no mask."""
+
+    def kernel(q, k, v, q_index, k_index):
+        if mask is None:
+            return attention(q, k, v, backend=backend)
+        return masked_attention(q, k, v, q_index, k_index, mask, backend)
+
+    return kernel
