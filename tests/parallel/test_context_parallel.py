@@ -61,66 +61,110 @@ def test_split_batch_slices_tokens_and_counts_labels() -> None:
     assert given["position_ids"].tolist() == [[0, 1, 1, 2], [3, 4, 4, 0]]
 
 
-def _sdpa_kernel(q, k, v):
+def _sdpa_kernel(q, k, v, q_index=None, k_index=None):
+    """The model's mask-free kernel (bottom-right causal sdpa), under the index contract."""
     from nanotron_models.attention import attention
 
     return attention(q, k, v, "sdpa")
 
 
+SEQ, BATCH, HEADS, KV_HEADS = 16, 2, 8, 2
+# Document starts per row (each crosses some cp=4 chunk boundary: chunks of 2 tokens) and a
+# sliding window of 5 keys: the masks of the unit test, as functions of global positions.
+DOC_STARTS = ((0, 5, 11), (0, 3, 9, 14))
+WINDOW = 5
+
+
+def _mask_fn(case: str):
+    """None (causal only), or the model-side mask of `case` by global positions."""
+    if case == "causal":
+        return None
+    if case == "window":
+        return lambda qi, ki: (qi[:, None] - ki[None, :]) < WINDOW
+    docs = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    for row, starts in enumerate(DOC_STARTS):
+        for start in starts:
+            docs[row, start:] += 1
+    return lambda qi, ki: (docs[:, qi][:, :, None] == docs[:, ki][:, None, :])[:, None]
+
+
+def _kernel(case: str):
+    from nanotron_parallel.context_parallel import reference_kernel
+
+    return _sdpa_kernel if case == "causal" else reference_kernel(_mask_fn(case))
+
+
 def _full_inputs(seq: int, heads: int, kv_heads: int):
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(seq, 2, heads, 8, generator=g, dtype=torch.float64)
-    k = torch.randn(seq, 2, kv_heads, 8, generator=g, dtype=torch.float64)
-    v = torch.randn(seq, 2, kv_heads, 8, generator=g, dtype=torch.float64)
-    grad_out = torch.randn(seq, 2, heads, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(seq, BATCH, heads, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(seq, BATCH, kv_heads, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(seq, BATCH, kv_heads, 8, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(seq, BATCH, heads, 8, generator=g, dtype=torch.float64)
     return q, k, v, grad_out
 
 
-def attention_worker(seq: int, heads: int, kv_heads: int) -> list[dict]:
-    """This rank's outputs and gradients, with gloo's reduce-scatter and with NCCL's."""
+ATTENTION_RUNS = [
+    (method, case, native)
+    for case in ("causal", "documents", "window")
+    for method, native in (("allgather", False), ("allgather", True), ("ring", None), ("ulysses", None))
+]  # fmt: skip
+
+
+def attention_worker() -> list[dict]:
+    """This rank's outputs and gradients for every (method, mask case, native reduce-scatter)."""
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.context_parallel import context_parallel_attention
 
+    torch.set_num_threads(1)
     pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
     runs = []
     try:
-        for native in (False, True):
-            q, k, v, grad_out = _full_inputs(seq, heads, kv_heads)
-            mine = [split_sequence(t, 0, pc.cp_rank, pc.cp_size) for t in (q, k, v)]
-            mine = [t.requires_grad_() for t in mine]
-            out = context_parallel_attention(*mine, pc.cp_group, _sdpa_kernel, native)
-            out.backward(split_sequence(grad_out, 0, pc.cp_rank, pc.cp_size))
-            runs.append(
-                {
-                    "out": out.detach(),
-                    "grads": [t.grad for t in mine],
-                    "positions": local_positions(seq, pc.cp_rank, pc.cp_size),
-                }
+        for method, case, native in ATTENTION_RUNS:
+            q, k, v, grad_out = _full_inputs(SEQ, HEADS, KV_HEADS)
+            mine = [
+                split_sequence(t, 0, pc.cp_rank, pc.cp_size).requires_grad_() for t in (q, k, v)
+            ]
+            out = context_parallel_attention(
+                *mine, pc.cp_group, _kernel(case), native, method=method, mask_fn=_mask_fn(case)
             )
+            out.backward(split_sequence(grad_out, 0, pc.cp_rank, pc.cp_size))
+            runs.append({"out": out.detach(), "grads": [t.grad for t in mine]})
         return runs
     finally:
         pc.destroy()
 
 
-def test_attention_matches_full_attention() -> None:
-    """At cp=4, values and gradients of q, k, v equal one process's full causal attention
-    (fp64); 4 query heads on 2 kv heads (GQA); with gloo's reduce-scatter and with NCCL's
-    (forced). cp=2 is covered end to end by tests/train/test_context_parallel_train.py."""
-    seq, heads, kv_heads = 16, 4, 2
-    results = run_distributed(attention_worker, 4, seq, heads, kv_heads, timeout=120)
-    q, k, v, grad_out = _full_inputs(seq, heads, kv_heads)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = _sdpa_kernel(*full)
-    ref.backward(grad_out)
-    for run in range(2):
-        covered = []
-        for res in (rank_runs[run] for rank_runs in results):
-            pos = res["positions"]
-            covered += pos.tolist()
-            torch.testing.assert_close(res["out"], ref.detach()[pos], rtol=1e-10, atol=1e-10)
-            for got, want in zip(res["grads"], full, strict=True):
-                torch.testing.assert_close(got, want.grad[pos], rtol=1e-10, atol=1e-10)
-        assert sorted(covered) == list(range(seq))
+def test_attentions_match_full_attention() -> None:
+    """At cp=4: all-gather (gloo's and NCCL's reduce-scatter), ring and Ulysses attention give
+    the values and q/k/v gradients of one process's full attention (fp64, 8 query heads on 2
+    kv heads: Ulysses repeats each kv head), causal, with documents crossing the chunk
+    boundaries, and with a sliding window (ring blocks with rows that see no key); ring and
+    Ulysses equal the all-gather within 1e-6 (they agree to ~1e-15)."""
+    from nanotron_parallel.context_parallel import reference_attention
+
+    results = run_distributed(attention_worker, 4, timeout=120)
+    q, k, v, grad_out = _full_inputs(SEQ, HEADS, KV_HEADS)
+    index = torch.arange(SEQ)
+    refs = {}
+    for case in ("causal", "documents", "window"):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = reference_attention(*full, index, index, _mask_fn(case))[0]
+        ref.backward(grad_out)
+        refs[case] = (ref.detach(), [t.grad for t in full])
+    assert not torch.allclose(refs["causal"][0], refs["documents"][0])  # the masks bite
+    assert not torch.allclose(refs["causal"][0], refs["window"][0])
+    for rank, rank_runs in enumerate(results):
+        pos = local_positions(SEQ, rank, 4)
+        by_run = dict(zip(ATTENTION_RUNS, rank_runs, strict=True))
+        for (_method, case, _native), res in by_run.items():
+            ref_out, ref_grads = refs[case]
+            torch.testing.assert_close(res["out"], ref_out[pos], rtol=1e-10, atol=1e-10)
+            for got, want in zip(res["grads"], ref_grads, strict=True):
+                torch.testing.assert_close(got, want[pos], rtol=1e-10, atol=1e-10)
+            base = by_run[("allgather", case, False)]
+            assert (res["out"] - base["out"]).abs().max() <= 1e-6
+            for got, want in zip(res["grads"], base["grads"], strict=True):
+                assert (got - want).abs().max() <= 1e-6
 
 
 def model_saved_bytes(seq: int) -> int:

@@ -43,6 +43,8 @@ def test_each_engine_declares_chunks_in_flight_and_config_facts() -> None:
         "afab": (1, 8, 3, False, True, ("forward", "backward")),
         "1f1b": (1, 4, 3, False, True, ("forward", "backward")),
         "interleaved-1f1b": (3, 8, 3, True, False, ("forward", "backward")),
+        "zb-h1": (1, 4, 3, False, True, ("forward", "backward", "W")),
+        "zbv": (2, 4, 3, False, False, ("forward", "backward", "W")),
     }
 
 
@@ -50,7 +52,8 @@ def test_an_unknown_engine_names_the_config_key_and_the_choices() -> None:
     with pytest.raises(PipelineScheduleError) as err:
         engine("gpipe")
     assert str(err.value) == (
-        "parallelism.pp_engine must be one of ['1f1b', 'afab', 'interleaved-1f1b'], got 'gpipe'"
+        "parallelism.pp_engine must be one of ['1f1b', 'afab', 'interleaved-1f1b', 'zb-h1', "
+        "'zbv'], got 'gpipe'"
     )
     with pytest.raises(PipelineScheduleError, match="got 'gpipe'"):
         run_forward_only("gpipe", torch.nn.Identity(), [{}], None, [1.0])

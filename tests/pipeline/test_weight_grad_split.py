@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from nanotron_models.blocks import RMSNorm
 from nanotron_parallel.tensor_parallel import (
@@ -85,7 +86,20 @@ def _fused_loss():
     return layer, run
 
 
+def _recomputed():
+    """A norm and a linear under activation checkpointing: the forward runs again in B, and
+    W must still reach the parameters themselves (not the recomputation's copies)."""
+    norm, linear = RMSNorm(H, 1e-5), ColumnParallelLinear(H, 12, None, "ALL_REDUCE", bias=True)
+    both = torch.nn.ModuleList([norm, linear])
+
+    def run(x):
+        return checkpoint(lambda t: linear(norm(t)), x, use_reentrant=False)
+
+    return both, run
+
+
 LAYERS = {
+    "recomputed_norm_and_linear": _recomputed,
     "column_all_reduce": _linear("ALL_REDUCE", True),
     "column_reduce_scatter": _linear("REDUCE_SCATTER", False),
     "row_all_reduce": _row("ALL_REDUCE"),
@@ -95,9 +109,7 @@ LAYERS = {
         lambda x, m: async_column_linear(x, m.weight, m.bias, None, None, True)
     ),
     "row_async": _fn(lambda x, m: async_row_linear(x, m.weight, None), bias=False),
-    "column_gather_recompute": _fn(
-        lambda x, m: gather_recompute_linear(x, m.weight, m.bias, None)
-    ),
+    "column_gather_recompute": _fn(lambda x, m: gather_recompute_linear(x, m.weight, m.bias, None)),
     "embedding": _embedding,
     "rms_norm": _norm(False),
     "rms_norm_sequence_parallel": _norm(True),

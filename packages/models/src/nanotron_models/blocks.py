@@ -8,8 +8,6 @@ argument (used by `LlamaStage.logits`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,9 +27,9 @@ from nanotron_parallel.tensor_parallel import (
 from nanotron_parallel.tensor_parallel.weight_grad import defer, splitting
 
 from .attention import attention, resolve_backend
-from .config import LlamaConfig, ModelConfigError
+from .config import LlamaConfig
 from .kv_cache import KVCache
-from .masks import DOCUMENT_IDS_KEY, AttentionMask, document_ids, masked_attention
+from .masks import DOCUMENT_IDS_KEY, AttentionMask, document_ids, index_kernel, masked_attention
 from .rotary import RotaryTable, apply_rotary, rotate_qkv
 
 Batch = dict[str, torch.Tensor]
@@ -84,6 +82,7 @@ class _RMSNormFunction(torch.autograd.Function):
         normed = (xf * rstd).to(x.dtype)
         ctx.save_for_backward(normed, rstd, weight)
         ctx.sum_group = sum_group  # sum the weight gradient over it (sequence parallel)
+        ctx.weight = weight  # the parameter itself, for a deferred W (weight_grad.defer)
         return weight * normed
 
     @staticmethod
@@ -97,7 +96,7 @@ class _RMSNormFunction(torch.autograd.Function):
                 dist.all_reduce(grad_weight, group=group)
             return (grad_weight,)
 
-        grad_weight = None if defer((weight,), weight_grad) else weight_grad()[0]
+        grad_weight = None if defer((ctx.weight,), weight_grad) else weight_grad()[0]
         g = (grad * weight).float()
         nf = normed.float()
         # g - nf * mean(g * nf) in one pass (addcmul), then the scale
@@ -145,16 +144,20 @@ class Attention(nn.Module):
             device=device,
             dtype=dtype,
         )
-        self.cp_group, self.cp_size, self.cp_native = None, 1, None
+        self.cp_group, self.cp_size, self.cp_native, self.cp_attention = None, 1, None, "allgather"
         # The family's attention (config.py's DecoderConfig): NoPE layers, windows, documents.
         self.use_rope, self.window = c.uses_rope(layer), c.sliding_window(layer)
         self.document_masking = c.document_masking
         self.fused_rotary = getattr(c, "_fused_rotary_emb", True)
 
-    def set_context_parallel(self, group, size: int, native_reduce_scatter: bool | None) -> None:
+    def set_context_parallel(
+        self, group, size: int, native_reduce_scatter: bool | None, attention: str = "allgather"
+    ) -> None:
         """Hold 1/cp of every sequence (the layout of nanotron_parallel.context_parallel):
-        keys and values are gathered over `group` (cp ranks), positions are global."""
+        keys and values come from the other cp ranks of `group` by `attention` (allgather,
+        ring or ulysses), positions are global."""
         self.cp_group, self.cp_size, self.cp_native = group, size, native_reduce_scatter
+        self.cp_attention = attention
 
     def mask(self, doc_ids: torch.Tensor | None, decoding: bool) -> AttentionMask | None:
         """This layer's mask beyond causality (None: plain causal). Decoding runs one document
@@ -181,12 +184,11 @@ class Attention(nn.Module):
         backend = resolve_backend(self.backend, x.device)
         mask = self.mask(doc_ids, kv_cache is not None)
         if self.cp_size > 1 and kv_cache is None and key_mask is None:
-            if mask is not None:
-                raise ModelConfigError(
-                    "document masking and sliding windows do not run under context parallel yet"
-                )
-            kernel = functools.partial(attention, backend=backend)
-            out = context_parallel_attention(q, k, v, self.cp_group, kernel, self.cp_native)
+            kernel = index_kernel(mask, backend, attention)
+            out = context_parallel_attention(
+                q, k, v, self.cp_group, kernel, self.cp_native,
+                method=self.cp_attention, mask_fn=mask,
+            )  # fmt: skip
         elif mask is not None:
             s_k = k.shape[0]
             k_index = torch.arange(s_k, device=x.device)

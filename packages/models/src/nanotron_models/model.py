@@ -113,14 +113,19 @@ class LlamaStage(nn.Module):
                 module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
 
     def set_context_parallel(
-        self, group, size: int, native_reduce_scatter: bool | None = None
+        self,
+        group,
+        size: int,
+        native_reduce_scatter: bool | None = None,
+        attention: str = "allgather",
     ) -> None:
         """Train on 1/cp of every sequence (nanotron_parallel.context_parallel): the attention
-        of each layer gathers keys and values over the cp `group`, and the loss is this rank's
-        share of the micro-batch's token-weighted mean, times cp. The batches must be cut with
-        `context_parallel.split_batch`. Inference (`logits`) keeps whole sequences."""
+        of each layer reaches the other cp ranks' keys and values by `attention` (allgather,
+        ring, ulysses), and the loss is this rank's share of the micro-batch's token-weighted
+        mean, times cp. The batches must be cut with `context_parallel.split_batch`.
+        Inference (`logits`) keeps whole sequences."""
         for layer in self.decoder.values():
-            layer.attn.set_context_parallel(group, size, native_reduce_scatter)
+            layer.attn.set_context_parallel(group, size, native_reduce_scatter, attention)
         if hasattr(self, "loss"):
             self.loss.cp_size = size
 

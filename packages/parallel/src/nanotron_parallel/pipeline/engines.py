@@ -4,10 +4,19 @@ An engine is its training step, its forward-only step (evaluation), whether it r
 model chunks per rank (`parallelism.pp_virtual_stages`), how many micro-batches a stage keeps
 alive at most (the memory estimate), the span kinds its timeline records, and the facts config
 checks need. A new schedule is one module with its two steps plus one row in `ENGINES`.
+
+zb-h1 and zbv (zero_bubble.py, planned in zb_plan.py) split each backward in B and W. Their
+no-deadlock argument is interleaved 1F1B's: every rank computes the same simulated plan and,
+after its action of a slot, posts exactly the mirrored sends and receives of that slot, batched;
+the simulation raises if the orders cannot complete. They refuse, at config time, ZeRO-3 (it
+frees gathered weights after each block's backward, before W has used them), torch.compile of
+the layers (the W queue is Python state a compiled backward cannot reach) and context
+parallelism (not verified yet); zbv is not yet wired into the trainer (see config checks).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +31,7 @@ from nanotron_parallel.pipeline.interleaved import (
 from nanotron_parallel.pipeline.recorder import NO_RECORDER
 from nanotron_parallel.pipeline.schedules import forward_only, train_step_1f1b, train_step_afab
 from nanotron_parallel.pipeline.step import MicroBatch, PipelineScheduleError, PipelineStepResult
+from nanotron_parallel.pipeline.zero_bubble import forward_only_zbv, train_step_zero_bubble
 
 if TYPE_CHECKING:
     from nanotron_parallel.context import ParallelContext
@@ -35,7 +45,9 @@ class PipelineEngine:
     `pp_virtual_stages` must be 1); `in_flight(m, pp)`: the most micro-batches a stage holds
     activations for; `micro_batches_multiple_of_pp`: a step needs m divisible by pp;
     `gathers_in_stage_order`: a stage's forward calls its blocks in order (ZeRO-3 prefetches
-    the next block on that assumption); `span_kinds`: what its timeline spans are called.
+    the next block on that assumption); `span_kinds`: what its timeline spans are called;
+    `fixed_chunks`: chunks per rank whatever pp_virtual_stages says (zbv: 2);
+    `splits_backward`: B and W run apart (what ZeRO-3, compile and cp cannot follow yet).
     """
 
     name: str
@@ -46,9 +58,13 @@ class PipelineEngine:
     micro_batches_multiple_of_pp: bool = False
     gathers_in_stage_order: bool = True
     span_kinds: tuple[str, ...] = ("forward", "backward")
+    fixed_chunks: int = 0
+    splits_backward: bool = False
 
     def chunks(self, virtual_stages: int) -> int:
         """Model chunks per rank for `parallelism.pp_virtual_stages` = virtual_stages."""
+        if self.fixed_chunks:
+            return self.fixed_chunks
         return virtual_stages if self.uses_virtual_stages else 1
 
 
@@ -73,6 +89,24 @@ ENGINES: dict[str, PipelineEngine] = {
         uses_virtual_stages=True,
         micro_batches_multiple_of_pp=True,
         gathers_in_stage_order=False,
+    ),
+    "zb-h1": PipelineEngine(
+        "zb-h1",
+        functools.partial(train_step_zero_bubble, "zb-h1"),
+        forward_only,
+        in_flight=lambda m, pp: min(m, pp),  # every rank holds up to 1F1B's first-stage peak
+        span_kinds=("forward", "backward", "W"),
+        splits_backward=True,
+    ),
+    "zbv": PipelineEngine(
+        "zbv",
+        functools.partial(train_step_zero_bubble, "zbv"),
+        forward_only_zbv,
+        in_flight=lambda m, pp: min(m, pp),  # 2p half-stage chunks: 1F1B's peak
+        span_kinds=("forward", "backward", "W"),
+        fixed_chunks=2,
+        gathers_in_stage_order=False,
+        splits_backward=True,
     ),
 }
 

@@ -80,6 +80,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
             for j in range(world)
         ]
         ctx.group, ctx.has_bias, ctx.native, ctx.bias = group, bias is not None, native, bias
+        ctx.weight = weight  # the parameter itself, for a deferred W (weight_grad.defer)
         ctx.recompute = recompute_allgather  # keep the shard; gather it again in the backward
         ctx.save_for_backward(x if recompute_allgather else full, weight)
         return torch.cat(parts, dim=0)
@@ -89,7 +90,7 @@ class _AsyncColumnLinear(torch.autograd.Function):
         saved, weight = ctx.saved_tensors
         want_w = ctx.needs_input_grad[1]
         has_bias = ctx.has_bias and ctx.needs_input_grad[2]
-        params = (weight, ctx.bias) if has_bias else (weight,)
+        params = (ctx.weight, ctx.bias) if has_bias else (ctx.weight,)
         group, recompute = ctx.group, ctx.recompute
 
         def compute():  # deferred (a W): gathers the input again itself if it kept the shard
@@ -130,7 +131,7 @@ class _AsyncRowLinear(torch.autograd.Function):
     def forward(ctx, x, weight, group, native):
         with record_function("tp.reduce_scatter"):
             out = _start_reduce_scatter(F.linear(x, weight), group, native)()
-        ctx.group = group
+        ctx.group, ctx.weight = group, weight  # the parameter itself, for a deferred W
         ctx.save_for_backward(x, weight)
         return out
 
@@ -161,7 +162,7 @@ class _AsyncRowLinear(torch.autograd.Function):
                 for j in range(world)
             ]
             grad_x = torch.cat(parts, dim=0)
-        if not want_w or defer((weight,), compute):
+        if not want_w or defer((ctx.weight,), compute):
             return grad_x, None, None, None
         return grad_x, compute()[0], None, None
 

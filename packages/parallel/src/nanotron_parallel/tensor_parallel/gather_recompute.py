@@ -24,6 +24,7 @@ class _GatherRecomputeLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, native):
         ctx.group, ctx.has_bias, ctx.native, ctx.bias = group, bias is not None, native, bias
+        ctx.weight = weight  # the parameter itself, for a deferred W (weight_grad.defer)
         ctx.save_for_backward(x, weight)  # the shard, not the gathered input
         return F.linear(_all_gather(x, group, dim=0), weight, bias)
 
@@ -40,7 +41,7 @@ class _GatherRecomputeLinear(torch.autograd.Function):
         def compute():  # the gather is recomputed here, in W when deferred (see weight_grad.py)
             return linear_weight_grads(grad_y, _all_gather(x, group, dim=0), weight, has_bias)
 
-        if defer((weight, ctx.bias) if has_bias else (weight,), compute):
+        if defer((ctx.weight, ctx.bias) if has_bias else (ctx.weight,), compute):
             return grad_x, None, None, None, None
         grad_w, grad_b = compute()
         return grad_x, grad_w, grad_b, None, None

@@ -85,7 +85,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight += torch.mm(g.t(), h)
         ctx.mark_non_differentiable(z_sum)
         ctx.grads = (grad_hidden, grad_weight, weight.dtype) if grad else None
-        ctx.save_for_backward(weight)
+        ctx.weight = weight  # the parameter itself, for a deferred W (weight_grad.defer)
         return loss, z_sum
 
     @staticmethod
@@ -100,8 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         # The weight gradient was computed in the forward (the fusion's point): a deferred W
         # (weight_grad.py) only scales and accumulates it.
-        (weight,) = ctx.saved_tensors
-        if defer((weight,), lambda: (grad_weight.mul_(grad_loss).to(dtype),)):
+        if defer((ctx.weight,), lambda: (grad_weight.mul_(grad_loss).to(dtype),)):
             return grad_hidden, None, None, None, None, None, None, None, None
         grad_weight = grad_weight.mul_(grad_loss).to(dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None

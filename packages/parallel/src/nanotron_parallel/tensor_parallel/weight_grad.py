@@ -68,7 +68,11 @@ def deferring(jobs: list[Job]) -> Iterator[list[Job]]:
 
 def defer(params: Sequence[torch.Tensor], compute: Callable[[], Sequence]) -> bool:
     """Queue `compute` (returning one gradient per tensor of `params`) for the W of the
-    backward running now; False when no B is deferring (the caller computes now)."""
+    backward running now; False when no B is deferring (the caller computes now).
+
+    `params` must be the parameters as the forward received them (kept on ctx), not as
+    `ctx.saved_tensors` gives them back: under activation checkpointing those are the
+    recomputation's copies, and a gradient sent there would reach no parameter."""
     if _STATE.jobs is None:
         return False
     _STATE.jobs.append((params, compute))
@@ -118,6 +122,7 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight, bias)
+        ctx.params = (weight,) if bias is None else (weight, bias)  # see `defer`
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -125,12 +130,11 @@ class _SplitLinear(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
         has_bias = bias is not None
-        params = (weight, bias) if has_bias else (weight,)
 
         def compute():
-            return linear_weight_grads(grad_y, x, weight, has_bias)[: len(params)]
+            return linear_weight_grads(grad_y, x, weight, has_bias)[: len(ctx.params)]
 
-        if defer(params, compute):
+        if defer(ctx.params, compute):
             return grad_x, None, None
         grad_w, grad_b = linear_weight_grads(grad_y, x, weight, has_bias)
         return grad_x, grad_w, grad_b
@@ -149,6 +153,7 @@ class _SplitEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight):
         ctx.save_for_backward(ids, weight)
+        ctx.params = (weight,)
         return F.embedding(ids, weight)
 
     @staticmethod
@@ -161,7 +166,7 @@ class _SplitEmbedding(torch.autograd.Function):
             )
             return (grad.to(weight.dtype),)
 
-        if defer((weight,), compute):
+        if defer(ctx.params, compute):
             return None, None
         return None, compute()[0]
 

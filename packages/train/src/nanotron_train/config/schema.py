@@ -37,7 +37,7 @@ class ParallelismArgs:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    pp_engine: Literal["afab", "1f1b", "interleaved-1f1b"] = "afab"
+    pp_engine: Literal["afab", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"] = "afab"
     pp_virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b only)
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
     tp_linear_async_communication: bool = False
