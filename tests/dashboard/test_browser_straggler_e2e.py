@@ -236,9 +236,13 @@ def test_run_page_shows_the_straggler_and_the_real_pipeline(browser, trained, sh
                     x = (g["left"] + sp["start_ms"] * g["scale"] + w / 2) * g["dpr"]
                     assert near(line[int(x)], colour, 30), (sp, line[int(x)])
     bubble = page.locator("#tl-bubble").inner_text()
-    assert bubble.startswith(
-        f"bubble measured {100 * t['bubble_measured']:.1f}% · formula 33.3% (1f1b, pp=2"
-    ), bubble
+    bad = t["clock"]["order_violations"]  # the rank clocks disagreed: flagged, no number
+    measured = (
+        f"no bubble measured: {bad} spans start before their input was sent"
+        if bad
+        else f"bubble measured {100 * t['bubble_measured']:.1f}% · formula 33.3% (1f1b, pp=2"
+    )
+    assert bubble.startswith(measured), bubble
     page.locator("#gantt").screenshot(path=str(shots / "e2e_gantt.png"))
     page.screenshot(path=str(shots / "e2e_run_page.png"), full_page=True)
     for name in ("e2e_heatmap.png", "e2e_gantt.png", "e2e_run_page.png"):

@@ -106,10 +106,15 @@ def test_pipeline_timeline_list_and_spans(c):
     one = c.get("/api/runs/tl/timelines/100").json()
     assert one["spans"] == td.one_f_one_b(2, 4) and one["schedule"] == "1f1b"
     assert one["bubble_measured"] == pytest.approx(0.2)
+    assert one["clock"] == {"order_violations": 0}  # none sent: the default
+    flagged = {**td.timeline("tl", 300), "bubble_measured": None, "clock": {"order_violations": 3}}
+    post(c, flagged)
+    got = c.get("/api/runs/tl/timelines/300").json()
+    assert got["clock"] == {"order_violations": 3} and got["bubble_measured"] is None
     assert c.get("/api/runs/tl/timelines/150").status_code == 404
     post(c, {**td.timeline("tl", 100, pp=2, m=2)})  # a replay replaces the step
     assert c.get("/api/runs/tl/timelines/100").json()["micro_batches"] == 2
-    assert len(c.get("/api/runs/tl/timelines").json()) == 2
+    assert len(c.get("/api/runs/tl/timelines").json()) == 3
 
 
 def test_a_new_span_kind_is_stored_and_served_and_old_coded_rows_still_read(c):

@@ -85,6 +85,9 @@ def test_pipeline_timeline_spans_are_complete_and_ordered(launch):
     for m in msgs:
         assert (m["schedule"], m["pp"], m["chunks"], m["micro_batches"]) == ("1f1b", 2, 1, M)
         assert m["bubble_formula"] == pytest.approx(1 / (M + 1))
+        if m["clock"]["order_violations"]:  # rank clocks that disagree: flagged, no bubble
+            assert m["bubble_measured"] is None and "no bubble measured" in out
+            continue
         assert 0.0 <= m["bubble_measured"] < 1.0
         keys = [(s["stage"], s["chunk"], s["micro_batch"], s["kind"]) for s in m["spans"]]
         want = {(st, 0, mb, k) for st in (0, 1) for mb in range(M) for k in ("forward", "backward")}

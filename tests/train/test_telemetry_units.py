@@ -16,7 +16,12 @@ from nanotron_train.reporting.dashboard_client import DashboardClient
 from nanotron_train.telemetry.events import ThroughputWatch
 from nanotron_train.telemetry.samples import MAX_SAMPLES_JSON_BYTES, fit_samples
 from nanotron_train.telemetry.stragglers import StragglerDetector
-from nanotron_train.telemetry.timeline import bubble_formula, bubble_measured
+from nanotron_train.telemetry.timeline import (
+    bubble_formula,
+    bubble_measured,
+    order_violations,
+    timeline_message,
+)
 from tests.train.test_checkpoint import tiny_config
 
 ONE = {"dp": 1, "tp": 1, "pp": 1}
@@ -160,6 +165,31 @@ def test_bubble_formula_and_measure():
         {"stage": 1, "start_ms": 1.0, "end_ms": 3.0},
     ]
     assert bubble_measured(spans, 2) == pytest.approx(((1 - 3 / 4) + (1 - 2 / 4)) / 2)
+
+
+def _span(stage, mb, kind, a, b, chunk=0):
+    return {"stage": stage, "chunk": chunk, "micro_batch": mb, "kind": kind,
+            "start_ms": a, "end_ms": b}  # fmt: skip
+
+
+def test_a_timeline_that_violates_send_receive_order_is_flagged_without_a_bubble():
+    ok = [_span(0, 0, "forward", 0, 10), _span(1, 0, "forward", 10.5, 20),
+          _span(1, 0, "backward", 20, 40), _span(0, 0, "backward", 40.2, 60)]  # fmt: skip
+    msg = timeline_message(4, 1.0, "1f1b", 2, 1, 1, ok)
+    assert msg["clock"] == {"order_violations": 0} and msg["bubble_measured"] > 0
+    # the loaded machine's timeline: stage 1's forward at 1.1 ms, stage 0's ends at 13.3 ms
+    bad = [_span(0, 0, "forward", 0, 13.3), _span(1, 0, "forward", 1.1, 9.0),
+           _span(1, 0, "backward", 9.0, 30), _span(0, 0, "backward", 31, 50)]  # fmt: skip
+    msg = timeline_message(4, 1.0, "1f1b", 2, 1, 1, bad)
+    assert msg["clock"] == {"order_violations": 1} and msg["bubble_measured"] is None
+    assert order_violations(bad[:1] + bad[2:], 2) == 0  # without the forward it received
+    # interleaved: virtual stage chunk * pp + stage; chunk 1 of stage 0 follows stage 1's chunk 0
+    chain = [_span(1, 0, "forward", 0, 5), _span(0, 0, "forward", 4, 8, chunk=1)]
+    assert order_violations(chain, 2) == 1
+    from nanotron_dashboard.messages import parse_messages
+
+    (parsed,) = parse_messages(json.dumps({**msg, "run_id": "r"}))  # the dashboard takes it
+    assert parsed.clock.order_violations == 1 and parsed.bubble_measured is None
 
 
 def test_client_keeps_events_and_bounds_waiting_telemetry():

@@ -115,6 +115,13 @@ class Span(_Part):
     end_ms: NonNeg
 
 
+class Clock(_Part):
+    """How far the ranks' clocks can be trusted: spans that start before their input was
+    sent (then bubble_measured is null)."""
+
+    order_violations: Annotated[int, Field(ge=0, le=MAX_SPANS)] = 0
+
+
 class PipelineTimeline(Msg):
     type: Literal["pipeline_timeline"]
     step: Int64
@@ -126,6 +133,7 @@ class PipelineTimeline(Msg):
     bubble_measured: Fraction | None = None
     bubble_formula: Fraction | None = None
     spans: list[Span] = Field(min_length=1, max_length=MAX_SPANS)
+    clock: Clock = Field(default_factory=Clock)
 
     @model_validator(mode="after")
     def _inside(self) -> PipelineTimeline:

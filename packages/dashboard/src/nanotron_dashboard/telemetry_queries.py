@@ -105,7 +105,7 @@ def timelines(conn: Connection, pk: int, limit: int) -> list[dict[str, Any]]:
 def timeline(conn: Connection, pk: int, step: int) -> dict[str, Any] | None:
     row = conn.exec_driver_sql(
         "SELECT step, time, schedule, pp, chunks, micro_batches, bubble_measured, "
-        "bubble_formula, spans FROM timelines WHERE run_pk=? AND step=?",
+        "bubble_formula, spans, clock FROM timelines WHERE run_pk=? AND step=?",
         (pk, step),
     ).first()
     if row is None:
@@ -117,6 +117,7 @@ def timeline(conn: Connection, pk: int, step: int) -> dict[str, Any] | None:
          "start_ms": a, "end_ms": b}
         for s, c, mb, k, a, b in json.loads(row[8])
     ]  # fmt: skip
+    out["clock"] = json.loads(row[9])
     return out
 
 

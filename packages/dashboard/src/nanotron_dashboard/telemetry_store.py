@@ -85,12 +85,12 @@ def store_timeline(conn: Connection, pk: int, m: PipelineTimeline) -> bool:
     spans = [[s.stage, s.chunk, s.micro_batch, s.kind, s.start_ms, s.end_ms] for s in m.spans]
     conn.exec_driver_sql(
         "INSERT INTO timelines(run_pk, step, time, schedule, pp, chunks, "
-        "micro_batches, bubble_measured, bubble_formula, n_spans, spans) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
+        "micro_batches, bubble_measured, bubble_formula, n_spans, spans, clock) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
         "time=excluded.time, schedule=excluded.schedule, pp=excluded.pp, "
         "chunks=excluded.chunks, micro_batches=excluded.micro_batches, "
         "bubble_measured=excluded.bubble_measured, bubble_formula=excluded.bubble_formula, "
-        "n_spans=excluded.n_spans, spans=excluded.spans",
+        "n_spans=excluded.n_spans, spans=excluded.spans, clock=excluded.clock",
         (
             pk,
             m.step,
@@ -103,6 +103,7 @@ def store_timeline(conn: Connection, pk: int, m: PipelineTimeline) -> bool:
             m.bubble_formula,
             len(spans),
             json.dumps(spans, separators=(",", ":")),
+            m.clock.model_dump_json(),
         ),
     )
     return True

@@ -207,7 +207,10 @@ const NTT = (() => {
       g.fillText(String(+ms.toPrecision(3)) + " ms", left + ms * scale, top + t.pp * rowH + 6);
     }
     g.textAlign = "left";
-    $("tl-bubble").textContent = "bubble measured " + pct(t.bubble_measured) + " · formula " + pct(t.bubble_formula) +
+    const bad = (t.clock && t.clock.order_violations) || 0;  // rank clocks that disagree
+    const measured = bad ? "no bubble measured: " + bad + " spans start before their input was sent (the ranks' clocks disagree)"
+      : "bubble measured " + pct(t.bubble_measured);
+    $("tl-bubble").textContent = measured + " · formula " + pct(t.bubble_formula) +
       " (" + t.schedule + ", pp=" + t.pp + ", micro-batches=" + t.micro_batches + ", chunks=" + t.chunks + ")";
     ctx.state.gantt = { left, top, rowH, barH, scale, dpr, step: t.step, colors: Object.fromEntries(colors) };
   }

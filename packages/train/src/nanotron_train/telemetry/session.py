@@ -127,8 +127,15 @@ class Telemetry:
         pp, v, m = self.pc.pp_size, self.chunks, self.micro_batches
         msg = timeline.timeline_message(step, time.time(), self.engine, pp, v, m, gathered)
         self.last_timeline = msg
+        bad = msg["clock"]["order_violations"]
+        measured = (
+            f"no bubble measured ({bad} spans start before their input was sent: the rank "
+            "clocks disagree)"
+            if bad
+            else f"bubble {msg['bubble_measured']:.3f} measured"
+        )
         print(
-            f"pipeline timeline at step {step}: bubble {msg['bubble_measured']:.3f} measured, "
+            f"pipeline timeline at step {step}: {measured}, "
             f"{msg['bubble_formula']:.3f} by the formula (pp-1)/(v*m+pp-1) "
             f"({self.engine}, pp={pp}, v={v}, m={m}, {len(gathered)} spans)",
             flush=True,

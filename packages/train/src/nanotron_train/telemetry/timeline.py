@@ -4,6 +4,9 @@ Every `logging.pipeline_timeline_interval` steps (pp > 1) the trainer aligns all
 barrier, runs the step with a `TimelineRecorder` (nanotron_parallel/pipeline/recorder.py) and
 then gathers the spans of one replica (dp = tp = cp = 0: one rank per stage) to rank 0.
 
+A timeline whose spans violate the send/receive order (a stage computing a micro-batch before
+it was sent to it: rank clocks that disagree) is flagged and gets no measured bubble.
+
 bubble_measured: per stage, 1 - (sum of its span durations) / (the step's span, from the common
 start to the last span's end on any stage), averaged over stages. bubble_formula: the idle share
 of the ideal schedule, (pp - 1) / (v * m + pp - 1) with v chunks per rank and m micro-batches
@@ -30,6 +33,28 @@ def bubble_measured(spans: list[dict], pp: int) -> float:
     return sum(idle) / pp
 
 
+def order_violations(spans: list[dict], pp: int) -> int:
+    """Spans that start before what they receive was sent: stage s's forward of a micro-batch
+    (virtual stage chunk * pp + s) before the previous virtual stage's forward of it ended,
+    or its backward before the next one's backward ended. Rank clocks that started at
+    different moments produce such a timeline; its bubble would be a number about nothing."""
+    end: dict[tuple[str, int, int], float] = {}
+    for s in spans:
+        if s["kind"] in ("forward", "backward"):
+            end[(s["kind"], s["chunk"] * pp + s["stage"], s["micro_batch"])] = s["end_ms"]
+    bad = 0
+    for s in spans:
+        vs = s["chunk"] * pp + s["stage"]
+        if s["kind"] == "forward":
+            before = end.get(("forward", vs - 1, s["micro_batch"]))
+        elif s["kind"] == "backward":
+            before = end.get(("backward", vs + 1, s["micro_batch"]))
+        else:
+            continue
+        bad += before is not None and s["start_ms"] < before
+    return bad
+
+
 def gather_spans(spans: list[dict] | None, pc) -> list[dict] | None:
     """Rank 0: every stage's spans (from dp = tp = cp = 0), each with its `stage`; others:
     None."""
@@ -50,6 +75,9 @@ def gather_spans(spans: list[dict] | None, pc) -> list[dict] | None:
 def timeline_message(
     step: int, time_s: float, engine: str, pp: int, v: int, m: int, spans: list[dict]
 ) -> dict:
+    """The message; a timeline that violates the send/receive order gets no measured bubble
+    and says how many spans violate it (`clock.order_violations`)."""
+    bad = order_violations(spans, pp)
     return {
         "type": "pipeline_timeline",
         "step": step,
@@ -58,7 +86,8 @@ def timeline_message(
         "pp": pp,
         "chunks": v,
         "micro_batches": m,
-        "bubble_measured": bubble_measured(spans, pp),
+        "bubble_measured": None if bad else bubble_measured(spans, pp),
+        "clock": {"order_violations": bad},
         "bubble_formula": bubble_formula(pp, v, m),
         "spans": [
             {
