@@ -181,7 +181,7 @@ QWEN2_CHECKS: tuple[ModelCheck, ...] = (
     _row(
         lambda c, tp: c.moe_config is None,
         lambda c, tp: (
-            f"{_MC}.moe_config: mixture-of-experts layers are not implemented here yet; "
+            f"{_MC}.moe_config (mixture-of-experts layers) is not implemented here yet; "
             "set it to null"
         ),
     ),

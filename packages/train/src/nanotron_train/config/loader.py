@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from typing import Any, Literal, Union
@@ -61,6 +62,11 @@ def _convert_union(value: Any, tp: Any, key: str, source: str) -> Any:
         if type(None) in args:
             return None
         raise ConfigError(key, "a value is required, got null", source)
+    classes = [a for a in args if dataclasses.is_dataclass(a)]
+    if len(classes) > 1 and isinstance(value, dict):
+        # A union of config classes (model families): the one the mapping names by its
+        # `is_<family>_config: true` key, else the first (Nanotron's order: Llama first).
+        return from_dict(_named_class(classes, value), value, key, source)
     errors = []
     for arg in args:
         if arg is type(None):
@@ -76,6 +82,16 @@ def _convert_union(value: Any, tp: Any, key: str, source: str) -> Any:
         f"expected {_type_name(tp)}, got {type(value).__name__} {_value_repr(value)}",
         source,
     )
+
+
+def _named_class(classes: list, value: dict) -> type:
+    for cls in classes:
+        markers = [
+            f.name for f in dataclasses.fields(cls) if re.fullmatch(r"is_\w+_config", f.name)
+        ]
+        if any(value.get(m) is True for m in markers):
+            return cls
+    return classes[0]
 
 
 def _convert_literal(value: Any, tp: Any, key: str, source: str) -> Any:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nanotron_models.config import LlamaConfig
+from nanotron_models.qwen2 import Qwen2Config
 from nanotron_train.config.loader import to_dict
 from nanotron_train.data.stages import DatasetSpec
 
@@ -65,7 +66,8 @@ class InitMethod:
 
 @dataclass
 class ModelArgs:
-    model_config: LlamaConfig
+    # The family is the class the YAML names (`is_qwen2_config: true`), else Llama.
+    model_config: LlamaConfig | Qwen2Config
     init_method: InitMethod = field(default_factory=InitMethod)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     make_vocab_size_divisible_by: int = 1

@@ -120,11 +120,13 @@ class _Shape:
     tokenizer: TokenizerArgs
     vocab_size: int
     validation_split: float | None
+    document_masking: bool = False  # the model masks documents: give their boundaries
 
     @classmethod
     def of(cls, cfg: Config) -> _Shape:
         split = cfg.validation.split if cfg.validation is not None else None
-        return cls(cfg.tokens, cfg.tokenizer, cfg.model.model_config.vocab_size, split)
+        mc = cfg.model.model_config
+        return cls(cfg.tokens, cfg.tokenizer, mc.vocab_size, split, mc.document_masking)
 
 
 def _build_source(stages: list[DatasetStageArgs], shape: _Shape, pc) -> Any:
@@ -159,6 +161,7 @@ def _synthetic(stage: DatasetStageArgs, shape: _Shape, pc) -> SyntheticData:
         accumulation=tok.batch_accumulation_per_replica,
         dp_size=pc.dp_size,
         dp_rank=pc.dp_rank,
+        documents=shape.document_masking,
     )
 
 
@@ -188,6 +191,7 @@ def _real(stages: list[DatasetStageArgs], shape: _Shape, pc, first: bool = False
         validation_split=shape.validation_split,
         barrier=BuilderBarrier(pc.rank == 0, _barrier_store(pc)),
         is_builder=pc.rank == 0,
+        document_masking=shape.document_masking,
     )
 
 

@@ -5,13 +5,20 @@ and stride k drawn from a generator seeded by (seed, i): the next token follows 
 before it, so a model can learn it and the loss falls. The global batch of a step is samples
 [consumed, consumed + global_batch); dp rank r takes its contiguous mbs*accum of them, so the
 samples of a global batch never depend on dp.
+
+With the model's document masking on (`documents=True`), a sample packs documents: lengths
+drawn from the same seeded generator (1 to half the sample), each document its own progression,
+with position ids restarting at each and the document ids the model's mask reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from nanotron_train.data.documents import DOCUMENT_IDS_KEY, document_ids, packed_positions
 
 MAX_STRIDE = 8
 
@@ -25,6 +32,21 @@ def synthetic_sample(index: int, seed: int, length: int, vocab_size: int) -> tor
     return (start + stride * torch.arange(length, dtype=torch.long)) % vocab_size
 
 
+def synthetic_documents(index: int, seed: int, length: int, vocab_size: int):
+    """Sample `index` as packed documents: token ids [length] and positions [length]."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    lengths: list[int] = []
+    while sum(lengths) < length:
+        high = max(1, length // 2)
+        lengths.append(min(torch.randint(1, high + 1, (1,), generator=g).tolist()[0],
+                           length - sum(lengths)))  # fmt: skip
+    parts = []
+    for n in lengths:
+        start, stride = torch.randint(0, vocab_size, (2,), generator=g).tolist()
+        parts.append((start + (1 + stride % MAX_STRIDE) * torch.arange(n)) % vocab_size)
+    return torch.cat(parts), torch.from_numpy(packed_positions(lengths))
+
+
 @dataclass
 class SyntheticData:
     seed: int
@@ -35,6 +57,7 @@ class SyntheticData:
     dp_size: int
     dp_rank: int
     consumed_samples: int = 0
+    documents: bool = False  # packed documents with positions and document ids
 
     @property
     def global_batch_size(self) -> int:
@@ -49,6 +72,9 @@ class SyntheticData:
         out = []
         for m in range(self.accumulation):
             base = first + m * self.micro_batch_size
+            if self.documents:
+                out.append(self._documents(base))
+                continue
             tokens = torch.stack(
                 [
                     synthetic_sample(base + b, self.seed, self.sequence_length + 1, self.vocab_size)
@@ -65,6 +91,21 @@ class SyntheticData:
                 }
             )
         return out
+
+    def _documents(self, base: int) -> dict[str, torch.Tensor]:
+        S, n = self.sequence_length, self.micro_batch_size
+        rows = [synthetic_documents(base + b, self.seed, S + 1, self.vocab_size) for b in range(n)]
+        tokens = torch.stack([t for t, _ in rows])
+        positions = torch.stack([p[:S] for _, p in rows])
+        return {
+            "input_ids": tokens[:, :-1].contiguous(),
+            "label_ids": tokens[:, 1:].contiguous(),
+            "label_mask": torch.ones(n, S, dtype=torch.bool),
+            "position_ids": positions,
+            DOCUMENT_IDS_KEY: torch.from_numpy(
+                document_ids(np.ascontiguousarray(positions.numpy()))
+            ),
+        }
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}

@@ -30,6 +30,7 @@ from nanotron_train.data.datatrove import (
     open_tokenized_folder,
     positions,
 )
+from nanotron_train.data.documents import DOCUMENT_IDS_KEY, document_ids
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.nanoset import Nanoset
 from nanotron_train.data.sampler import ShuffledSamples
@@ -110,6 +111,7 @@ class TrainData:
         validation_split: float | None = None,
         barrier: Callable[[], None] | None = None,
         is_builder: bool = True,
+        document_masking: bool = False,
     ):
         validate_stages(stages)
         _check_sizes(sequence_length, micro_batch_size, batch_accumulation_per_replica, dp_size)
@@ -124,6 +126,8 @@ class TrainData:
         # folder -> its held-out validation part (validation.split), each folder once
         self.held_out: dict[str, Nanoset] = {}
         self.model_vocab_size = model_vocab_size
+        # The model masks attention at document ends: give positions and document ids.
+        self.document_masking = document_masking
         tok_sha = _tokenizer_sha256(tokenizer_path, stages)
         self._stages = [
             self._open_stage(i, s, tokenizer_path, tok_sha, cache_dir, model_vocab_size,
@@ -272,13 +276,15 @@ class TrainData:
             "label_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])),
             "label_mask": label_mask,
         }
-        if stage.spec.dataset.return_positions:  # position ids restart at each document
-            pos = np.empty((len(picks), S), dtype=np.int64)
+        if stage.spec.dataset.return_positions or self.document_masking:
+            pos = np.empty((len(picks), S), dtype=np.int64)  # restarting at each document
             for d in {d for d, _ in picks}:
                 rows = [r for r, (dd, _) in enumerate(picks) if dd == d]
                 starts = np.asarray([picks[r][1] * S for r in rows], dtype=np.int64)
                 pos[rows] = positions(stage.nanosets[d].doc_ends, starts, S)
             batch["position_ids"] = torch.from_numpy(pos)
+            if self.document_masking:
+                batch[DOCUMENT_IDS_KEY] = torch.from_numpy(document_ids(pos))
         return batch
 
     # ---- checkpointing --------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Nanotron's Qwen2 examples here: config_qwen.yaml loads unchanged and trains with only its
+sizes, layout and paths changed; the MoE example is refused at moe_config in one line; and
+Qwen2 with document masking, a sliding window and NoPE layers trains the same model at
+tp=2 x pp=2 (1f1b) and at dp=2 ZeRO-3 x tp=2 as in one process (1e-5)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nanotron_parallel.testing import run_distributed, shared_default_group
+from nanotron_train.config import ConfigError, config_from_dict, load_config
+
+HERE = Path(__file__).parent / "nanotron"
+QWEN = HERE / "config_qwen.yaml"
+QWEN_MOE = HERE / "config_qwen_with_moe.yaml"
+STEPS = 4
+SIZES = dict(  # the only model keys the tests change
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+)
+
+
+@pytest.fixture(autouse=True)
+def _default_group_per_test():
+    with shared_default_group():
+        yield
+
+
+def test_config_qwen_loads_unchanged_with_nanotron_meanings():
+    cfg = load_config(QWEN, world_size=4)
+    mc = cfg.model.model_config
+    assert type(mc).__name__ == "Qwen2Config"
+    assert (mc.hidden_size, mc.num_hidden_layers, mc.num_key_value_heads) == (2048, 36, 4)
+    assert mc.document_masking and mc.tie_word_embeddings and not mc.attention_bias
+    assert [mc.uses_rope(i) for i in range(4)] == [True] * 4 and mc.sliding_window(0) is None
+    assert mc.attention_backend == "flash_attn" and mc.z_loss_weight == 0.0
+    raw = yaml.safe_load(QWEN.read_text())["model"]["model_config"]
+    assert {k: getattr(mc, k) for k in raw} == raw  # every key reached the config as given
+    par = cfg.parallelism
+    assert (par.dp, par.tp, par.tp_mode, par.tp_recompute_allgather) == (
+        2,
+        2,
+        "REDUCE_SCATTER",
+        True,
+    )
+
+
+def test_config_qwen_with_moe_is_refused_at_moe_config():
+    with pytest.raises(ConfigError) as err:
+        load_config(QWEN_MOE, world_size=2)
+    text = str(err.value)
+    assert text.startswith(f"{QWEN_MOE}: model.model_config.moe_config: ") and "\n" not in text
+    assert "mixture-of-experts" in text
+
+
+def test_qwen2_with_context_parallel_and_masks_is_refused_in_one_line():
+    data = _sized(yaml.safe_load(QWEN.read_text()))
+    data["parallelism"].update(dp=1, tp=1, context_parallel_size=2)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data, "q.yaml", world_size=2)
+    assert str(err.value).startswith("q.yaml: parallelism.context_parallel_size: > 1 with document")
+
+
+def _sized(data: dict) -> dict:
+    data["model"]["model_config"].update(SIZES)
+    data["tokens"].update(sequence_length=64, micro_batch_size=2, train_steps=STEPS)
+    data["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = STEPS - 2
+    return data
+
+
+def test_config_qwen_trains_with_sizes_layout_and_paths_changed(tmp_path, monkeypatch):
+    """Its Nanoset stage points at a local folder, its layout folds onto one process: it trains
+    (document masking on the Nanoset's documents), its loss falls and it checkpoints."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.data.testing import make_id_nanoset
+    from nanotron_train.trainer import train
+
+    monkeypatch.chdir(tmp_path)
+    data = _sized(yaml.safe_load(QWEN.read_text()))
+    folder = make_id_nanoset(tmp_path / "ns", [20, 45, 9, 70] * 10, high=8, seed=1)
+    data["data_stages"][0]["data"]["dataset"]["dataset_folder"] = [str(folder)]
+    dataset = data["data_stages"][0]["data"]["dataset"]
+    dataset.update(tokenizer_name=None, vocab_size=256, token_size_in_bytes=2)  # our folder
+    data["tokenizer"]["tokenizer_name_or_path"] = None
+    data["parallelism"].update(dp=1, tp=1)
+    cfg = config_from_dict(data, "q.yaml", world_size=1)
+    records: list[dict] = []
+    train(cfg, ParallelContext(1, 1, 1), stream=io.StringIO(), on_record=records.append)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records[0]["lm_loss"] == pytest.approx(math.log(256), abs=0.1)
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"]
+    assert (tmp_path / "checkpoints" / str(STEPS)).is_dir()
+
+
+def masked_config(layout: dict) -> dict:
+    """Qwen2 with document masking, a window of 6 and every 2nd layer NoPE, on synthetic packed
+    documents (2 layers, seq 32, global batch 4, 3 steps, fp32)."""
+    data = _sized(yaml.safe_load(QWEN.read_text()))
+    data["model"]["model_config"].update(
+        sliding_window_size=6,
+        no_rope_layer=2,
+        _attn_implementation="sdpa",
+        attention_bias=True,
+    )
+    data["model"]["model_config"]["num_hidden_layers"] = 2  # layer 0 windowed, layer 1 NoPE
+    data["model"]["dtype"] = "float32"
+    data["tokens"].update(sequence_length=32, batch_accumulation_per_replica=2 // layout["dp"])
+    data["tokens"]["train_steps"] = 3
+    data["data_stages"][0]["data"]["dataset"] = None
+    data["checkpoints"]["checkpoints_path"] = None
+    data["general"]["ignore_sanity_checks"] = True
+    par = data["parallelism"]
+    par.update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], pp_engine="1f1b")
+    par.update(tp_mode=layout["mode"], tp_linear_async_communication=False)
+    data["optimizer"]["zero_stage"] = layout.get("zero", 0)
+    data["optimizer"]["optimizer_factory"]["torch_adam_is_fused"] = False
+    return data
+
+
+def run_masked(layouts: list[dict]) -> list[dict]:
+    import torch.distributed as dist
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    out = []
+    with shared_default_group():
+        for layout in layouts:
+            cfg = config_from_dict(masked_config(copy.deepcopy(layout)), "q", world_size=None)
+            pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+            try:
+                records: list[dict] = []
+                Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
+            finally:
+                dist.barrier()
+                pc.destroy()
+            out.append(
+                {"loss": [r["lm_loss"] for r in records], "norm": [r["grad_norm"] for r in records]}
+            )
+    return out
+
+
+def test_masked_qwen2_layouts_equal_one_process():
+    ref = run_masked([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"}])[0]
+    layouts = [
+        {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
+        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 3},
+    ]
+    results = run_distributed(run_masked, 4, layouts, timeout=300)[0]
+    assert len(ref["loss"]) == 3 and all(math.isfinite(x) for x in ref["loss"])
+    for layout, res in zip(layouts, results, strict=True):
+        for key in ("loss", "norm"):
+            for a, b in zip(res[key], ref[key], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (layout, key, res[key], ref[key])
