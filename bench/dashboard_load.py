@@ -1,6 +1,11 @@
 """Dashboard load benchmark: sustained ingest, ingest-to-browser latency, metrics API at 1M points.
 
     .venv/bin/python bench/dashboard_load.py [--trainers 16] [--steps 1500] [--values 10]
+                                             [--backends sqlite,postgresql] [--only-backends]
+
+0. SQLite and PostgreSQL side by side (--backends; PostgreSQL is Debian's server started in a
+   temporary directory, as the tests do): for each, sustained ingest points/s and the p99 of
+   GET metrics polled meanwhile, the same load as 1 and 4 below. --only-backends stops there.
 
 Starts a real dashboard (uvicorn, a child process) on a temporary database and prints:
   1. sustained ingest in points/s: N simulated trainers (websocket clients spread over a few
@@ -283,6 +288,40 @@ def time_get(url: str) -> float:
     return time.perf_counter() - t0
 
 
+def side_by_side(backends: list[str], trainers: int, steps: int, values: int) -> None:
+    """Part 0: the same ingest and read load on each backend, one line each."""
+    server = None
+    try:
+        for backend in backends:
+            with tempfile.TemporaryDirectory() as tmp:
+                if backend == "postgresql":
+                    if server is None:
+                        from pg_server import start
+
+                        server = start()
+                    db: str | Path = server.fresh_database()
+                else:
+                    db = Path(tmp) / "side.db"
+                d = start_dashboard(db)
+                try:
+                    seed_reader(d.url)
+                    with Poller(d.url) as poll:
+                        secs, _ = run_load(d.url, trainers, steps, values, None, backend)
+                finally:
+                    d.stop()
+            points = trainers * steps * values
+            print(
+                f"0. {backend:10s}: ingest {points / secs:,.0f} points/s ({trainers} trainers, "
+                f"{points:,} points in {secs:.2f} s); GET metrics (4 x 2,000 points) meanwhile: "
+                f"p99 {p99(poll.lat) * 1e3:.0f} ms, median {statistics.median(poll.lat) * 1e3:.0f} "
+                f"ms ({len(poll.lat)} GETs)",
+                flush=True,
+            )
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -290,8 +329,14 @@ def main() -> None:
     ap.add_argument("--trainers", type=int, default=16)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--values", type=int, default=10)
+    ap.add_argument("--backends", default="sqlite,postgresql")
+    ap.add_argument("--only-backends", action="store_true", help="part 0 only")
     args = ap.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    backends = [b for b in args.backends.split(",") if b]
+    side_by_side(backends, args.trainers, args.steps, args.values)
+    if args.only_backends:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         d = start_dashboard(Path(tmp) / "load.db")
         try:
