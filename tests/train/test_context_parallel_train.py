@@ -1,8 +1,9 @@
 """Context parallelism in training: every cp layout trains the same model as one process.
 
-The matrix points of issue 17 (cp=2 alone, cp=2 x tp=2, cp=2 x pp=2, cp=2 x dp=2 with ZeRO-1)
-on the equivalence matrix's config (test_equivalence.py): lm_loss, grad_norm and val_loss at
-every step within 1e-5 relative of the single-process run. Checkpoints: cp does not shard
+Each context-parallel attention (all-gather, ring, Ulysses) at cp=2, at cp=4 (ring, Ulysses),
+and composed with tp=2 (both modes), pp=2 (three engines) and dp=2 with ZeRO-1, on the
+equivalence matrix's config (test_equivalence.py): lm_loss, grad_norm (and val_loss for the
+matrix points) at every step within 1e-5 relative of the single-process run. Checkpoints: cp does not shard
 parameters, so one saved at cp=2 resumes at cp=1 and one saved at cp=1 resumes at cp=2, and
 the steps after the resume match the run that never stopped.
 """
@@ -64,23 +65,33 @@ def train_with_checkpoints(layout: dict, save_to: str | None, resume: str | None
 
 
 def cp_world2(folder: str, cp1_checkpoint: str, save_to: str) -> dict:
-    """World 2: the cp=2 matrix point (with validation), the same run with ZeRO-1 (sharded over
-    the 2 cp ranks) saving checkpoints, and cp=2 resumed from a checkpoint saved at cp=1."""
+    """World 2, one run per cp attention: the cp=2 matrix point with the all-gather (with
+    validation), the ring with ZeRO-1 (sharded over the 2 cp ranks) saving checkpoints, and
+    Ulysses resumed from a checkpoint saved at cp=1."""
     cp2 = {"dp": 1, "tp": 1, "pp": 1, "cp": 2}
     with shared_default_group():  # one default group for the three runs
         return {
             "matrix": run_layouts(with_val([cp2], folder)),
-            "saving": train_with_checkpoints({**cp2, "zero": 1}, save_to, None),
-            "resumed": train_with_checkpoints(cp2, None, cp1_checkpoint),
+            "saving": train_with_checkpoints({**cp2, "zero": 1, **_RING}, save_to, None),
+            "resumed": train_with_checkpoints({**cp2, **_ULYSSES}, None, cp1_checkpoint),
         }
 
 
+_RING = {"par": {"cp_attention": "ring"}}
+_ULYSSES = {"par": {"cp_attention": "ulysses"}}
+
+
+# Each cp attention at cp=4 and with tp (both modes), pp and dp x ZeRO-1; the all-gather
+# keeps the points it had before ring and Ulysses existed.
 CP_WORLD4 = [
+    {"dp": 1, "tp": 1, "pp": 1, "cp": 4, **_RING},
+    {"dp": 1, "tp": 1, "pp": 1, "cp": 4, "tied": False, **_ULYSSES},
     {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "REDUCE_SCATTER", "tensor_collectives": True,
-     "par": {"tp_linear_async_communication": True}},
-    {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "tied": False, "par": {"recompute_layer": True}},
-    {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "afab"},
-    {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "1f1b", "tied": False},
+     "par": {"tp_linear_async_communication": True, "cp_attention": "ring"}},
+    {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "tied": False,
+     "par": {"recompute_layer": True, "cp_attention": "ulysses"}},
+    {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "afab", **_RING},
+    {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "1f1b", "tied": False, **_ULYSSES},
     {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "engine": "interleaved-1f1b",
      "par": {"pp_virtual_stages": 2}},
     {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "zero": 1},
@@ -116,9 +127,11 @@ def test_cp2_matches_one_process_and_resumes_across_cp(folders, reference):
         timeout=300,
     )[0]  # fmt: skip
     check_matches([{"dp": 1, "tp": 1, "pp": 1, "cp": 2}], out["matrix"], reference)
-    # ZeRO-1 over the cp ranks and saving checkpoints do not change the cp=2 run.
-    assert close(out["saving"]["loss"], out["matrix"][0]["loss"]) <= REL
-    # Saved at cp=1, resumed at cp=2: the steps after it equal the uninterrupted cp=1 run.
+    # The ring, with ZeRO-1 over the cp ranks and saving checkpoints, trains the same model.
+    assert close(out["saving"]["loss"], ref["loss"]) <= REL
+    assert close(out["saving"]["norm"], ref["norm"]) <= REL
+    # Saved at cp=1, resumed at cp=2 (Ulysses): the steps after it equal the uninterrupted
+    # cp=1 run.
     resumed = out["resumed"]
     assert resumed["steps"] == list(range(RESUME_AT + 1, STEPS + 1))
     assert close(resumed["loss"], ref["loss"][RESUME_AT:]) <= REL
@@ -140,3 +153,29 @@ def test_cp2_matches_one_process_and_resumes_across_cp(folders, reference):
 def test_cp2_composes_with_tp_pp_dp_zero1(folders, reference):
     results = run_distributed(run_layouts, 4, with_val(CP_WORLD4, folders["val"]), timeout=400)
     check_matches(CP_WORLD4, results[0], reference)
+
+
+def test_cp_attention_key_is_checked_and_nanotron_ring_maps_to_ring():
+    """`parallelism.cp_attention`: an unknown value and Ulysses with heads not divisible by
+    cp x tp are one line naming the key; null is the all-gather, or the ring when the model
+    config says Nanotron's llama3_ring_attention."""
+    from nanotron_train.config import ConfigError, config_from_dict
+    from nanotron_train.config.context_parallel import cp_attention
+    from tests.train.test_equivalence import layout_config
+
+    def load(cp: int, tp: int, **par):
+        raw = layout_config({"dp": 1, "tp": tp, "pp": 1, "cp": cp, "par": par})
+        return config_from_dict(raw, "cp.yaml", world_size=None)
+
+    with pytest.raises(ConfigError, match="parallelism.cp_attention") as err:
+        load(2, 1, cp_attention="striped")
+    assert "\n" not in str(err.value)
+    with pytest.raises(
+        ConfigError, match="parallelism.cp_attention.*parallel_size \\* tp = 8.*= 4"
+    ):
+        load(4, 2, cp_attention="ulysses")  # 4 heads over 8 ranks
+    assert cp_attention(load(2, 2, cp_attention="ulysses").parallelism, None) == "ulysses"
+    cfg = load(2, 1)
+    assert cp_attention(cfg.parallelism, cfg.model.model_config) == "allgather"
+    cfg.model.model_config._attn_implementation = "llama3_ring_attention"
+    assert cp_attention(cfg.parallelism, cfg.model.model_config) == "ring"

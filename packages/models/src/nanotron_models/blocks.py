@@ -151,13 +151,13 @@ class Attention(nn.Module):
         self.fused_rotary = getattr(c, "_fused_rotary_emb", True)
 
     def set_context_parallel(
-        self, group, size: int, native_reduce_scatter: bool | None, attention: str = "allgather"
+        self, group, size: int, native_reduce_scatter: bool | None, attention: str | None = None
     ) -> None:
         """Hold 1/cp of every sequence (the layout of nanotron_parallel.context_parallel):
         keys and values come from the other cp ranks of `group` by `attention` (allgather,
-        ring or ulysses), positions are global."""
+        ring or ulysses; None keeps the current one), positions are global."""
         self.cp_group, self.cp_size, self.cp_native = group, size, native_reduce_scatter
-        self.cp_attention = attention
+        self.cp_attention = attention or self.cp_attention
 
     def mask(self, doc_ids: torch.Tensor | None, decoding: bool) -> AttentionMask | None:
         """This layer's mask beyond causality (None: plain causal). Decoding runs one document

@@ -117,13 +117,14 @@ class LlamaStage(nn.Module):
         group,
         size: int,
         native_reduce_scatter: bool | None = None,
-        attention: str = "allgather",
+        attention: str | None = None,
     ) -> None:
         """Train on 1/cp of every sequence (nanotron_parallel.context_parallel): the attention
         of each layer reaches the other cp ranks' keys and values by `attention` (allgather,
-        ring, ulysses), and the loss is this rank's share of the micro-batch's token-weighted
-        mean, times cp. The batches must be cut with `context_parallel.split_batch`.
-        Inference (`logits`) keeps whole sequences."""
+        ring, ulysses; None keeps the current one: allgather when never set), and the loss is
+        this rank's share of the micro-batch's token-weighted mean, times cp. The batches
+        must be cut with `context_parallel.split_batch`. Inference (`logits`) keeps whole
+        sequences."""
         for layer in self.decoder.values():
             layer.attn.set_context_parallel(group, size, native_reduce_scatter, attention)
         if hasattr(self, "loss"):

@@ -9,9 +9,10 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
    `tp_recompute_allgather` (REDUCE_SCATTER: column-parallel linears keep their input shard and
    gather it again in the backward). The loss: with `model.fused_linear_cross_entropy` (the
    default) the last stage computes lm_head and cross-entropy together, token chunk by chunk.
-   Context parallel (`parallelism.context_parallel_size`): each attention gathers keys and
-   values over the cp group and the loss becomes this rank's share of the sequence's mean
-   (nanotron_parallel.context_parallel); set before anything wraps the layers. The trainer
+   Context parallel (`parallelism.context_parallel_size`): each attention reaches the cp
+   group's keys and values by `parallelism.cp_attention` (all-gather, ring or Ulysses) and the
+   loss becomes this rank's share of the sequence's mean (nanotron_parallel.context_parallel);
+   set before anything wraps the layers. The trainer
    cuts each micro-batch into this rank's two chunks (`split_batch`).
 2. Recompute (`parallelism.recompute_layer`): each decoder layer under activation checkpointing.
 3. Compile (`model.compile`): each decoder layer compiled in place, or, with recompute on, the
@@ -41,6 +42,7 @@ from nanotron_models.model import LlamaStage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.data_parallel import DataParallelGrads, build_data_parallel
 from nanotron_parallel.tied import TiedParameters, tied_parameters
+from nanotron_train.config.context_parallel import cp_attention
 from nanotron_train.config.schema import Config
 
 
@@ -73,7 +75,8 @@ def parallelize(
         )
         chunk.set_fused_loss(cfg.model.fused_linear_cross_entropy)
         if pc.cp_size > 1:
-            chunk.set_context_parallel(pc.cp_group, pc.cp_size, pc.tensor_collectives)
+            attention = cp_attention(cfg.parallelism, cfg.model.model_config)
+            chunk.set_context_parallel(pc.cp_group, pc.cp_size, pc.tensor_collectives, attention)
     for chunk in chunks:  # 2. recompute
         chunk.set_recompute(par.recompute_layer)
     if cfg.model.compile:  # 3. compile

@@ -33,19 +33,19 @@ import torch.distributed as dist
 from .kernels import MaskFn, block_backward, block_forward
 from .layout import local_positions
 
-_KV_TAG, _GRAD_TAG = 17, 18
+_KV_TAG, _GRAD_TAG = 16, 18  # k and v: tags 16, 17; dk and dv: 18, 19
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int) -> list:
-    """Send `send` to the next cp rank and receive the previous one's into `recv` (async)."""
+def _exchange(send: list[torch.Tensor], group, tag: int) -> tuple[list, list[torch.Tensor]]:
+    """Send `send` to the next cp rank and receive the previous one's tensors of the same
+    shapes (async): (works to wait for, the tensors being received)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     world = group if group is not None else dist.group.WORLD
     nxt, prev = (dist.get_global_rank(world, (rank + d) % cp) for d in (1, -1))
-    ops = [
-        dist.P2POp(dist.isend, send, nxt, group, tag),
-        dist.P2POp(dist.irecv, recv, prev, group, tag),
-    ]
-    return dist.batch_isend_irecv(ops)  # grouped: NCCL cannot deadlock on the pair
+    recv = [torch.empty_like(t) for t in send]
+    ops = [dist.P2POp(dist.isend, t, nxt, group, tag + i) for i, t in enumerate(send)]
+    ops += [dist.P2POp(dist.irecv, t, prev, group, tag + i) for i, t in enumerate(recv)]
+    return dist.batch_isend_irecv(ops), recv  # grouped: NCCL cannot deadlock on the pair
 
 
 def _wait(works: list) -> None:
@@ -64,30 +64,27 @@ def _block(step: int, rank: int, cp: int, c: int) -> tuple[slice, slice, str]:
 
 def _merge(out, lse, block_out, block_lse, rows: slice) -> None:
     """Fold a block's (out, lse) into the running ones for query rows `rows`, in place."""
-    prev_out, prev_lse = out[:, :, rows], lse[:, :, rows]
+    prev_lse = lse[:, :, rows]
     new_lse = torch.logaddexp(prev_lse, block_lse)
     safe = torch.where(torch.isfinite(new_lse), new_lse, 0.0)  # rows seeing nothing yet
-    merged = (prev_lse - safe).exp()[..., None] * prev_out
-    merged += (block_lse - safe).exp()[..., None] * block_out
-    out[:, :, rows], lse[:, :, rows] = merged, new_lse
+    out[:, :, rows].mul_((prev_lse - safe).exp_()[..., None])
+    out[:, :, rows].add_(block_out.mul_((block_lse - safe).exp_()[..., None]))
+    lse[:, :, rows] = new_lse
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, mask_fn):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        c, n_kv = q.shape[0] // 2, k.shape[2]
-        seq = 2 * c * cp
+        c, seq = q.shape[0] // 2, q.shape[0] * cp
         q_pos = local_positions(seq, rank, cp, q.device)
-        kv = torch.cat((k, v), dim=2)
-        out = lse = None
+        kv, out, lse = [k, v], None, None
         for step in range(cp):
-            if step < cp - 1:
-                arriving = torch.empty_like(kv)
-                works = _exchange(kv, arriving, group, _KV_TAG)
+            if step < cp - 1:  # the next block travels while this one is computed
+                works, arriving = _exchange(kv, group, _KV_TAG)
             rows, cols, kind = _block(step, rank, cp, c)
             k_pos = local_positions(seq, (rank - step) % cp, cp, q.device)
-            kb, vb = kv[cols].split([n_kv, n_kv], dim=2)
+            kb, vb = kv[0][cols], kv[1][cols]
             o, o_lse = block_forward(q[rows], kb, vb, q_pos[rows], k_pos[cols], kind, mask_fn)
             if out is None:
                 out, lse = o, o_lse
@@ -106,40 +103,35 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, mask_fn = ctx.group, ctx.mask_fn
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        c, n_kv = q.shape[0] // 2, k.shape[2]
-        seq = 2 * c * cp
+        c, seq = q.shape[0] // 2, q.shape[0] * cp
         q_pos = local_positions(seq, rank, cp, q.device)
         grad4, out4 = grad.permute(1, 2, 0, 3), out.permute(1, 2, 0, 3)
         wide = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)
-        kv = torch.cat((k, v), dim=2)
-        grad_works: list = []
-        passed = torch.empty(0)
+        kv, grad_works, dkv = [k, v], [], []
         for step in range(cp):
             if step < cp - 1:
-                arriving = torch.empty_like(kv)
-                kv_works = _exchange(kv, arriving, group, _KV_TAG)
+                kv_works, arriving = _exchange(kv, group, _KV_TAG)
             rows, cols, kind = _block(step, rank, cp, c)
             k_pos = local_positions(seq, (rank - step) % cp, cp, q.device)
-            kb, vb = kv[cols].split([n_kv, n_kv], dim=2)
             dq_b, dk_b, dv_b = block_backward(
-                grad4[:, :, rows], q[rows], kb, vb, out4[:, :, rows], lse[:, :, rows],
-                q_pos[rows], k_pos[cols], kind, mask_fn,
+                grad4[:, :, rows], q[rows], kv[0][cols], kv[1][cols], out4[:, :, rows],
+                lse[:, :, rows], q_pos[rows], k_pos[cols], kind, mask_fn,
             )  # fmt: skip
             dq[rows] += dq_b
-            dkv = torch.zeros(kv.shape, dtype=wide, device=q.device)
-            dkv[cols] = torch.cat((dk_b, dv_b), dim=2)
-            if step > 0:  # the gradients of this block from the ranks it visited before
+            if step == 0:
+                dkv = [torch.zeros(k.shape, dtype=wide, device=q.device) for _ in range(2)]
+            else:  # this block's gradients from the ranks it visited before, arrived
                 _wait(grad_works)
-                dkv += passed
-            passed = torch.empty_like(dkv)
-            grad_works = _exchange(dkv, passed, group, _GRAD_TAG)
+            dkv[0][cols] += dk_b
+            dkv[1][cols] += dv_b
+            del dq_b, dk_b, dv_b
+            grad_works, dkv = _exchange(dkv, group, _GRAD_TAG)
             if step < cp - 1:
                 _wait(kv_works)
                 kv = arriving
         _wait(grad_works)  # back at its owner: this rank's block, from every rank
-        dk, dv = passed.split([n_kv, n_kv], dim=2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def ring_attention(q, k, v, group, mask_fn: MaskFn | None = None) -> torch.Tensor:

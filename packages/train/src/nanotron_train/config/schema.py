@@ -46,6 +46,10 @@ class ParallelismArgs:
     tp_recompute_allgather: bool = True
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
+    # How attention reaches the other cp ranks' keys and values (config/context_parallel.py):
+    # allgather | ring | ulysses; null: allgather (ring for _attn_implementation's
+    # llama3_ring_attention)
+    cp_attention: Literal["allgather", "ring", "ulysses"] | None = None
     # A collective or p2p waiting longer than this fails every rank with who did not arrive
     # (fault/watchdog.py); the backend's own timeout is set a little above it as a backstop.
     collective_timeout_s: float = 600.0
