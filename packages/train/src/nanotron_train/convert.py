@@ -65,19 +65,20 @@ def to_hf(
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    from nanotron_models.hf import config_to_hf, our_full_state_dict_to_hf
+    from nanotron_models.families import family_of
 
     config = ckpt.model_config
+    hf_map = family_of(config).hf
     if tok is not None:  # the config's ids where they are the tokenizer's special tokens
         ids, notes = ids_for_export(config, tok)
         for note in notes:
             print(note, file=sys.stderr, flush=True)
         config = replace(config, **ids)
-    hf_sd = our_full_state_dict_to_hf(full_model_tensors(ckpt), config)
+    hf_sd = hf_map.state_dict_to_hf(full_model_tensors(ckpt), config)
     if config.tie_word_embeddings:
         del hf_sd["lm_head.weight"]  # one storage, as save_pretrained writes tied weights
-    hf_config = config_to_hf(config)
-    hf_config.architectures = ["LlamaForCausalLM"]
+    hf_config = hf_map.config_to_hf(config)
+    hf_config.architectures = [hf_map.architecture(config)]
     hf_config.dtype = ckpt.dtype
 
     def fill(tmp: Path) -> None:
@@ -176,7 +177,7 @@ def from_hf(
     hf_path: str | Path, out: str | Path, *, config_file: str | None = None, step: int = 0
 ) -> Path:
     """Import a Hugging Face Llama folder as `<out>/<step>/`; returns the step folder."""
-    from nanotron_models.hf import config_from_hf, hf_state_dict_to_ours_full
+    from nanotron_models.families import family_of_hf
     from nanotron_train.checkpoints import CheckpointError
     from nanotron_train.config.load import load_config
 
@@ -184,7 +185,8 @@ def from_hf(
     if step < 0:
         raise HFFolderError(f"--step must be >= 0, got {step}")
     hf = read_hf_config(hf_dir)
-    model_config = config_from_hf(hf).validate()
+    hf_map = family_of_hf(hf).hf
+    model_config = hf_map.config_from_hf(hf).validate()
     has_tokenizer = (hf_dir / "tokenizer.json").is_file()
     tok_dir = out / "tokenizer"
     if config_file:
@@ -201,7 +203,7 @@ def from_hf(
     if has_tokenizer and not tok_dir.exists():
         write_folder_atomically(tok_dir, lambda d: copy_tokenizer_files(hf_dir, d), False)
     return save_imported(
-        cfg, lambda mc: hf_state_dict_to_ours_full(hf_sd, mc), out, step, consumed_samples=0
+        cfg, lambda mc: hf_map.state_dict_from_hf(hf_sd, mc), out, step, consumed_samples=0
     )
 
 

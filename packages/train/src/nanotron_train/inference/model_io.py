@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from nanotron_models import LlamaConfig
+from nanotron_models import LlamaConfig, config_from_dict
 from nanotron_models.config import DTYPES
 from nanotron_models.flops import llama_block_costs, llama_block_names
 from nanotron_models.model import TIED_KEY, build_llama_stage
@@ -68,7 +68,7 @@ def open_checkpoint(path: str | Path, tokenizer: str | None = None) -> Checkpoin
     return CheckpointModel(
         folder=folder,
         metadata=meta,
-        model_config=LlamaConfig.from_dict(meta["model_config"]),
+        model_config=config_from_dict(meta["model_config"]),
         dtype=str(model.get("dtype", "float32")),
         tokenizer_path=str(tok) if tok else None,
         train_config=raw,

@@ -20,11 +20,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class HFFolderError(ValueError):
-    """A Hugging Face folder we cannot read (not a Llama, no weights) or write."""
+    """A Hugging Face folder we cannot read (no family of ours, no weights) or write."""
 
 
 def read_hf_config(folder: Path) -> dict:
-    """config.json of a Llama checkpoint folder; a clear error for anything else."""
+    """config.json of a model folder of one of our families (Llama, Qwen2, SmolLM3); a clear
+    error for anything else."""
     path = folder / "config.json"
     if not folder.is_dir():
         raise HFFolderError(f"{folder}: no such Hugging Face model folder")
@@ -36,13 +37,15 @@ def read_hf_config(folder: Path) -> dict:
         ) from None
     except ValueError:
         raise HFFolderError(f"{path}: not valid JSON") from None
-    kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind != "llama":
-        archs = config.get("architectures") if isinstance(config, dict) else None
-        raise HFFolderError(
-            f"{path}: model_type {kind!r} (architectures {archs}) is not a Llama; only "
-            "LlamaForCausalLM checkpoints can be imported"
-        )
+    if not isinstance(config, dict):
+        raise HFFolderError(f"{path}: not a JSON object")
+    from nanotron_models import ModelConfigError
+    from nanotron_models.families import family_of_hf
+
+    try:
+        family_of_hf(config)
+    except ModelConfigError as exc:
+        raise HFFolderError(f"{path}: {exc}; only these can be imported") from None
     return config
 
 
