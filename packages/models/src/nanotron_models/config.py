@@ -276,7 +276,7 @@ SHARED_CHECKS: tuple[ModelCheck, ...] = (
     ModelCheck(
         lambda c, tp: not c.rope_interleaved,
         lambda c, tp: (
-            f"{_MC}.rope_interleaved=True is not supported (we use the rotate-half "
+            f"{_MC}.rope_interleaved: true is not supported (we use the rotate-half "
             "layout of Hugging Face)"
         ),
     ),
