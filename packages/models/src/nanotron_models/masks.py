@@ -14,10 +14,12 @@ convention, `return_positions`), so document d of a row is the tokens from its d
 (`document_ids`). A row's first token opens a document whatever its position (a sample that
 starts inside a document).
 
-Kernels. `masked_attention` runs flex attention (block-sparse: fully masked blocks of 128x128
-are skipped, which is where packed short documents and windows save work) on CUDA or when
-asked for, and sdpa with the explicit boolean mask otherwise (the CPU: compiling flex there
-costs seconds per shape). Both give the same values (tests/models/test_masks.py).
+Kernels. `masked_attention` runs flex attention when asked for (`flex`): compiled, block-sparse
+(128x128 blocks the mask empties are skipped, which is where packed short documents and
+windows save work). PyTorch has no flex backward on the CPU, so there it serves only
+gradient-free calls (evaluation, generation); training on the CPU, and every other backend,
+runs SDPA with the explicit boolean mask. Both give the same values
+(tests/models/test_qwen2.py).
 """
 
 from __future__ import annotations
@@ -90,7 +92,10 @@ def masked_attention(
     `mask` at the given global indices; `key_mask` [b, s_k] (True = a real token) hides
     decoding's left padding. Returns [s_q, b, h, d]."""
     if backend == "flex" and key_mask is None:
-        return _flex(q, k, v, q_index, k_index, mask)
+        if q.device.type == "cuda":
+            return _flex(q, k, v, q_index, k_index, mask)
+        if not _grad(q, k, v):  # the CPU's flex checks requires_grad even under no_grad
+            return _flex(q.detach(), k.detach(), v.detach(), q_index, k_index, mask)
     allowed = mask(q_index, k_index)
     if key_mask is not None:  # padding rows still see themselves: finite, unused outputs
         diagonal = (q_index[:, None] == k_index[None, :])[None, None]
@@ -99,6 +104,10 @@ def masked_attention(
     gqa = qb.shape[1] != kb.shape[1]
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, enable_gqa=gqa)
     return out.permute(2, 0, 1, 3)
+
+
+def _grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _flex(q, k, v, q_index, k_index, mask: AttentionMask, compiled: bool = True) -> torch.Tensor:
