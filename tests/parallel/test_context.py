@@ -263,12 +263,12 @@ def _check_grid_results(results: list[dict], layouts: list[tuple[int, int, int, 
 
 
 def test_groups_in_eight_processes() -> None:
-    layouts = [(2, 2, 2, 1), (1, 2, 4, 1), (4, 1, 2, 1), (1, 8, 1, 1), (8, 1, 1, 1), (1, 1, 8, 1),
-               (2, 1, 2, 2), (1, 2, 1, 4)]  # fmt: skip
+    # Every layout's grid is checked in one process above; here the real groups of the layouts
+    # that exercise each dimension at 8 (group creation dominates the time of these tests).
+    layouts = [(2, 2, 2, 1), (1, 1, 8, 1), (2, 1, 2, 2), (1, 2, 1, 4)]
     _check_grid_results(run_distributed(grid_worker, 8, layouts, timeout=300), layouts)
 
 
 def test_groups_in_four_processes() -> None:
-    layouts = [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1), (4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1),
-               (1, 2, 1, 2), (1, 1, 2, 2)]  # fmt: skip
+    layouts = [(2, 2, 1, 1), (1, 2, 2, 1), (4, 1, 1, 1), (1, 1, 2, 2)]
     _check_grid_results(run_distributed(grid_worker, 4, layouts, timeout=240), layouts)
