@@ -95,6 +95,9 @@ def test_config_qwen_trains_with_sizes_layout_and_paths_changed(tmp_path, monkey
     dataset.update(tokenizer_name=None, vocab_size=256, token_size_in_bytes=2)  # our folder
     data["tokenizer"]["tokenizer_name_or_path"] = None
     data["parallelism"].update(dp=1, tp=1)
+    val = make_id_nanoset(tmp_path / "val", [30, 50] * 4, high=8, seed=2)
+    data["validation"] = {"dataset": {"dataset_folder": [str(val)]}}  # evaluated with the mask
+    data["tokens"]["val_check_interval"] = STEPS
     cfg = config_from_dict(data, "q.yaml", world_size=1)
     records: list[dict] = []
     train(cfg, ParallelContext(1, 1, 1), stream=io.StringIO(), on_record=records.append)
@@ -102,6 +105,7 @@ def test_config_qwen_trains_with_sizes_layout_and_paths_changed(tmp_path, monkey
     assert records[0]["lm_loss"] == pytest.approx(math.log(256), abs=0.1)
     assert records[-1]["lm_loss"] < records[0]["lm_loss"]
     assert (tmp_path / "checkpoints" / str(STEPS)).is_dir()
+    assert math.log(8) - 1 < records[-1]["val_loss"] < records[0]["lm_loss"]
 
 
 def masked_config(layout: dict) -> dict:

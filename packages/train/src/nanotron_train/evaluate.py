@@ -116,6 +116,7 @@ def run(args: argparse.Namespace, pc) -> dict:
         dp_size=1,
         limit_batches=args.limit_batches,
         eod_mask_loss=args.eod_mask_loss,
+        document_masking=ckpt.model_config.document_masking,
     )
     model = load_model(ckpt, pc)
     result = Evaluator(model, pc, "1f1b", data).evaluate()

@@ -288,4 +288,5 @@ def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
         dp_size=pc.dp_size,
         limit_batches=tok.limit_val_batches,
         eod_mask_loss=_eod_mask_loss(val, cfg.data_stages),
+        document_masking=cfg.model.model_config.document_masking,
     )

@@ -27,7 +27,8 @@ import math
 import numpy as np
 
 from nanotron_train.data.blend import blend_draw
-from nanotron_train.data.datatrove import eod_label_mask
+from nanotron_train.data.datatrove import eod_label_mask, positions
+from nanotron_train.data.documents import DOCUMENT_IDS_KEY, document_ids
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.nanoset import Nanoset
 from nanotron_train.data.sampler import ShuffledSamples
@@ -48,6 +49,7 @@ class ValidationData:
         dp_size: int,
         limit_batches: int = 0,
         eod_mask_loss: bool = False,
+        document_masking: bool = False,
     ) -> None:
         if not nanosets:
             raise DataError("validation: no dataset to evaluate on")
@@ -59,6 +61,7 @@ class ValidationData:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.global_batch_size = micro_batch_size * batch_accumulation_per_replica * dp_size
         self.eod_mask_loss = eod_mask_loss
+        self.document_masking = document_masking  # positions and document ids, as in training
         sizes = [ns.num_samples(S) for ns in nanosets]
         for ns, n in zip(nanosets, sizes):
             if n < 1:
@@ -101,18 +104,25 @@ class ValidationData:
         S = self.sequence_length
         tokens = np.zeros((len(rows), S + 1), dtype=np.int64)
         mask = np.zeros((len(rows), S), dtype=bool)
+        pos = np.tile(np.arange(S, dtype=np.int64), (len(rows), 1))
         for i, row in enumerate(rows):
             if row >= self.num_samples:
                 continue  # padding of the last batch: masked out
             ns = self.nanosets[self._dataset[row]]
             start = int(self._sample[row]) * S
             tokens[i] = ns.tokens[start : start + S + 1]
+            if self.document_masking:
+                pos[i] = positions(ns.doc_ends, np.asarray([start]), S)[0]
             if self.eod_mask_loss:
                 mask[i] = eod_label_mask(ns.doc_ends, np.asarray([start]), S)[0]
             else:
                 mask[i] = True
-        return {
+        batch = {
             "input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
             "label_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])),
             "label_mask": torch.from_numpy(mask),
         }
+        if self.document_masking:
+            batch["position_ids"] = torch.from_numpy(pos)
+            batch[DOCUMENT_IDS_KEY] = torch.from_numpy(document_ids(pos))
+        return batch
