@@ -22,6 +22,8 @@ def seed(d, run_id: str, tmp: Path, steps: int = 300) -> None:
             "name": "<img src=x onerror=alert(1)>",
             "config": {"note": "<script>x</script>", "tokens": {"train_steps": steps}},
             "command": [sys.executable, "-c", "print(1)"],
+            "world_size": 2,
+            "topology": {"dp": 2, "tp": 1, "pp": 1},
             "cwd": str(tmp),
             "checkpoints_path": str(tmp / "ck"),
         },
@@ -81,8 +83,11 @@ def test_run_list_and_run_page(browser, any_live_dashboard, tmp_path):
     page.wait_for_url("**/runs/br-1")
     chart = page.locator('.chart[data-metric="lm_loss"] canvas')
     chart.wait_for(timeout=10_000)
-    for metric in ("lm_loss", "grad_norm", "tokens_per_sec", "lr"):
+    for metric in ("lm_loss", "grad_norm", "tokens_per_sec"):
         assert page.locator(f'.chart[data-metric="{metric}"] canvas').count() == 1
+    # a constant lr takes no chart slot: the run summary says it
+    assert page.locator('.chart[data-metric="lr"]').count() == 0
+    assert "lr = 0.0010 learning rate" in page.locator("#run-summary").inner_text()
     # The plotted line itself: pixels of the series colour (run.js COLORS[0], #2b7de9) inside
     # the plot area (uPlot's bbox, in canvas pixels), not axes, grid or labels.
     drawn = page.evaluate(
@@ -132,11 +137,24 @@ def test_run_list_and_run_page(browser, any_live_dashboard, tmp_path):
         f"--resume {tmp_path}/ck/300"
     )
 
-    # resume (the shared dashboard runs with --allow-launch)
+    # resume (the shared dashboard runs with --allow-launch): first the exact command and the
+    # layout, then the launch, then a link to the new run once its run_start names this one
     ck_row.locator("button.resume").click()
+    ask = page.locator("#resume-confirm").inner_text()
+    assert "Resume from the checkpoint of step 300?" in ask and f"runs in {tmp_path}" in ask
+    assert copied.split(" && ", 1)[1] in ask and "2 processes (dp=2 tp=1 pp=1)" in ask, ask
+    page.click("#resume-go")
     page.wait_for_function(
         "() => document.querySelector('#launch-result').textContent.startsWith('started pid')"
     )
+    child = {
+        "type": "run_start",
+        "run_id": f"{d.port}-child",
+        "resumed_from": {"run_id": "br-1", "step": 300},
+    }
+    d.post("/api/ingest", child)
+    page.locator("#new-run-link").wait_for(timeout=10_000)
+    assert page.locator("#new-run-link").get_attribute("href") == f"/runs/{d.port}-child"
     assert not dialogs
     ctx.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 from pathlib import Path
 
 import pytest
@@ -164,10 +165,11 @@ def test_run_page_shows_the_straggler_and_the_real_pipeline(browser, trained, sh
     page.wait_for_function("() => window.__nt.heatmap.field === 'busy_ms'")
     geo = page.evaluate("() => window.__nt.heatmap")
     assert geo["rows"] == [0, 1, 2, 3] and geo["steps"] == s["heat"]["steps"]
-    assert geo["relative"] is False
     busy = busy_grid(s["heat"])
     lo, hi = min(map(min, busy)), max(map(max, busy))
     assert geo["lo"] == pytest.approx(lo) and geo["hi"] == pytest.approx(hi)
+    medians = [statistics.median(col) for col in busy]
+    assert geo["medians"] == pytest.approx(medians) and geo["range"] == 0.25
 
     def pixel(x: float, y: float) -> list[int]:
         return page.evaluate(RGBA, ["heatmap", int(x * geo["dpr"]), int(y * geo["dpr"])])
@@ -176,10 +178,10 @@ def test_run_page_shows_the_straggler_and_the_real_pipeline(browser, trained, sh
         i = geo["rows"].index(rank)
         return pixel(geo["left"] + (j + 0.5) * geo["cellW"], geo["top"] + (i + 0.5) * geo["cellH"])
 
-    # every cell in the colour its value has on the scale
+    # every cell in the colour of its deviation from its interval's median (+-25% scale)
     for j, col in enumerate(busy):
         for rank in range(4):
-            want = ramp((col[rank] - lo) / (hi - lo))
+            want = ramp(0.5 + (col[rank] / medians[j] - 1) / 0.5)
             assert near(cell(rank, j), (*want, 255), 3), (rank, j, col, want)
     # hot: in the intervals that named it, the slowed rank is the hottest cell of its column
     # (drawn in its value's colour above), well above its stage peer

@@ -11,7 +11,8 @@
   // The series to fetch and follow live: the charted ones and what is overlaid on them.
   const followed = () => Array.from(new Set(state.shown.flatMap((n) => [n, ...(OVERLAYS[n] || [])])));
   const $ = (id) => document.getElementById(id);
-  const state = { run: null, session: null, charts: {}, data: {}, compare: [], started: null, shown: [] };
+  const state = { run: null, session: null, charts: {}, data: {}, compare: [], started: null, shown: [], constants: {},
+    labels: {}, parent: null };
   window.__nt = state;  // for debugging in the console and for the browser tests
 
   const opt = () => ({ x: $("x-axis").value, smoothing: parseFloat($("smoothing").value), log: $("log-y").checked });
@@ -29,12 +30,22 @@
     return [xs, ...cols];
   }
 
+  // The parent's history up to the step this run resumed from, greyed in before this run's
+  // own points: a user thinks of the lineage as one run.
+  function parentSeries(name) {
+    const p = state.parent, s = p && (state.data[p.id] || {})[name];
+    if (!s || opt().x === "time") return [];
+    const keep = s.step.map((st) => st <= p.step);
+    const pick = (a) => a.filter((_, i) => keep[i]);
+    return [{ label: "parent " + p.label + " (to step " + p.step + ")", x: pick(s.x), y: pick(s.y), stroke: "#9aa0a8", metric: name }];
+  }
+
   function seriesFor(name) {
-    const out = [];
+    const out = parentSeries(name);
     const o = opt();
     for (const [i, rid] of [runId, ...state.compare].entries()) {
       const color = COLORS[i % COLORS.length];
-      const runLabel = rid === runId ? (state.run.name || rid) : rid;
+      const runLabel = rid === runId ? (state.run.name || rid) : (state.labels[rid] || rid);
       for (const metric of [name, ...(OVERLAYS[name] || [])]) {
         const s = (state.data[rid] || {})[metric];
         if (!s) continue;
@@ -61,16 +72,53 @@
     return String(+v.toPrecision(3));
   }
 
+  // Each metric's unit: the y axis label and the legend values. Bytes are shown in MiB (as
+  // the trainer's log lines print them).
+  const UNITS = {
+    lm_loss: "nats/token", val_loss: "nats/token", grad_norm: "L2 norm", lr: "learning rate",
+    tokens_per_sec: "tokens/s", tokens_per_sec_per_gpu: "tokens/s per GPU", time_per_iteration_ms: "ms",
+    model_tflops_per_gpu: "TFLOP/s per GPU", mfu: "fraction of peak", memory: "MiB",
+    global_batch_size: "sequences", consumed_tokens: "tokens",
+  };
+  const MIB = 1024 * 1024;
+  function unitOf(name) {
+    if (UNITS[name]) return UNITS[name];
+    if (/(_|^)bytes$|mem/.test(name)) return "MiB";
+    if (/_ms$/.test(name)) return "ms";
+    if (/_pct$/.test(name)) return "%";
+    if (/_w$/.test(name)) return "W";
+    if (/_z$/.test(name)) return "robust z-score";
+    return "";
+  }
+  const isBytes = (name) => unitOf(name) === "MiB";
+  const X_UNITS = { step: "step", tokens: "tokens", time: "s since start" };
+  // The x value in words, for the legend: "step 24", "1.2M tokens", "35 s"
+  function xText(v) {
+    if (v === null || v === undefined) return "--";
+    const x = opt().x;
+    return x === "step" ? "step " + v : x === "tokens" ? si(v) + " tokens" : si(v) + " s";
+  }
+  // One point (or one x value): its own range around it, not uPlot's default from 0
+  function xRange(u, min, max) {
+    if (min === null || max === null) return [0, 1];
+    if (min !== max) return [min, max];
+    const pad = Math.max(1, Math.abs(min) * 0.05);
+    return [min - pad, max + pad];
+  }
+
   function positiveOnly(col) { return col.map((v) => (v !== null && v > 0 ? v : null)); }
 
   function draw(name) {
     const list = seriesFor(name);
     if (!list.length) return;
+    if (foldConstant(name, list)) return;
     const o = opt();
     let data = align(list);
+    if (isBytes(name)) data = [data[0], ...data.slice(1).map((col) => col.map((v) => (typeof v === "number" ? v / MIB : v)))];
     if (o.log) data = [data[0], ...data.slice(1).map(positiveOnly)];
+    const unit = unitOf(name), few = data[0].length <= 2, one = data[0].length === 1;
     let entry = state.charts[name];
-    const key = list.map((s) => s.label).join("|") + o.log + o.x;
+    const key = list.map((s) => s.label).join("|") + o.log + o.x + few + one;
     if (entry && entry.key === key) { entry.plot.setData(data); }
     else {
       if (entry) entry.plot.destroy();
@@ -78,11 +126,17 @@
       const plot = new uPlot({
         width: Math.max(box.clientWidth - 16, 300), height: 240,
         plugins: [NTT.markersPlugin((step) => xOfStep(name, step))],
-        scales: { x: { time: false }, y: { distr: o.log ? 3 : 1 } },
-        axes: [{ label: o.x, values: (u, vals) => vals.map(si) }, { values: (u, vals) => vals.map(si), size: 60 }],
-        // Overlaid series are sparse by design (a val_loss every N steps): points shown.
-        series: [{}, ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: false, width: 1.5,
-          dash: s.dash, points: { show: !!s.dash } }))],
+        // uPlot spans 0..2x for a lone x value (0-600 for step 300): a range around it instead
+        scales: { x: one ? { time: false, auto: false, range: xRange(null, data[0][0], data[0][0]) } : { time: false },
+          y: { distr: o.log ? 3 : 1 } },
+        axes: [{ label: X_UNITS[o.x], values: (u, vals) => vals.map(si) },
+          { label: unit, values: (u, vals) => vals.map(si), size: 60 }],
+        // Overlaid series are sparse by design (a val_loss every N steps): points shown, and
+        // a series of one or two points is drawn as points (a line needs two).
+        series: [{ label: X_UNITS[o.x], value: (u, v) => xText(v) },
+          ...list.map((s) => ({ label: s.label, stroke: s.stroke, spanGaps: false, width: 1.5,
+            dash: s.dash, points: { show: !!s.dash || few, size: 7 },
+            value: (u, v) => (v === null || v === undefined ? "--" : NT.num(v) + (unit ? " " + unit : "")) }))],
       }, data, box.querySelector(".plot"));
       entry = state.charts[name] = { plot, box, key };
     }
@@ -90,6 +144,29 @@
     entry.box.querySelector(".nonfinite").textContent = bad.length
       ? "non-finite values: " + bad.slice(0, 20).map((p) => "step " + p.step + " = " + p.value).join(", ")
       : "";
+  }
+
+  // A series that never changed (global_batch_size) takes no chart slot: one line of the
+  // run summary says its value. Compared runs keep their charts (their values may differ).
+  function foldConstant(name, list) {
+    const own = list.filter((s) => !s.label.startsWith("parent "));
+    const ys = own.length === 1 && list.length === 1 && !state.compare.length ? own[0].y : null;
+    const constant = ys && ys.length >= 2 && ys.every((v) => typeof v === "number" && v === ys[0]);
+    if (!constant) { if (state.constants[name] !== undefined) { delete state.constants[name]; showSummary(); } return false; }
+    const entry = state.charts[name];
+    if (entry) { entry.plot.destroy(); entry.box.remove(); delete state.charts[name]; }
+    state.constants[name] = ys[0];
+    showSummary();
+    return true;
+  }
+
+  function showSummary() {
+    const names = Object.keys(state.constants).sort();
+    $("run-summary").hidden = !names.length;
+    $("run-summary").replaceChildren(NT.el("strong", {}, "constant over the run: "),
+      ...names.map((n, i) => NT.el("span", { class: "constant", "data-metric": n },
+        (i ? ", " : "") + n + " = " + NT.num(isBytes(n) ? state.constants[n] / MIB : state.constants[n]) +
+        (unitOf(n) ? " " + unitOf(n) : ""))));
   }
 
   // An event's step on this chart's x axis: the x of the first point at or after it.
@@ -102,7 +179,9 @@
   }
 
   function makeBox(name) {
-    const box = NT.el("div", { class: "chart", "data-metric": name }, NT.el("h3", {}, name),
+    const unit = unitOf(name);  // also on the y axis (drawn on the canvas)
+    const box = NT.el("div", { class: "chart", "data-metric": name },
+      NT.el("h3", {}, name, unit ? NT.el("span", { class: "unit" }, " (" + unit + ")") : ""),
       NT.el("div", { class: "plot" }), NT.el("div", { class: "nonfinite" }));
     const system = name.startsWith("system/");  // CPU/GPU utilisation, memory, power
     $(system ? "system-charts" : "charts").append(box);
@@ -152,7 +231,10 @@
 
   async function reload() {
     try {
-      await Promise.all([runId, ...state.compare].map(fetchRun));
+      const rf = state.run && state.run.resumed_from;
+      state.parent = rf ? { id: rf.run_id, step: rf.step, label: rf.run_id } : null;
+      const parent = state.parent ? [fetchRun(state.parent.id).catch(() => { state.parent = null; })] : [];
+      await Promise.all([...[runId, ...state.compare].map(fetchRun), ...parent]);
       $("error").textContent = "";
     } catch (e) { $("error").textContent = String(e.message || e); return; }
     metricNames().forEach(draw);
@@ -231,14 +313,46 @@
     button.textContent = "copied";
   }
 
+  // Resume asks first: the exact command, where it runs and how many processes it starts.
+  function confirmResume(ck, button) {
+    const run = state.run || {}, topo = run.topology || {};
+    const layout = Object.entries(topo).filter(([, v]) => Number.isInteger(v)).map(([k, v]) => k + "=" + v).join(" ");
+    const go = NT.el("button", { id: "resume-go" }, "Launch");
+    const cancel = NT.el("button", { id: "resume-cancel" }, "Cancel");
+    const box = NT.el("div", { id: "resume-confirm", class: "confirm" },
+      NT.el("strong", {}, "Resume from the checkpoint of step " + ck.step + "?"),
+      NT.el("div", {}, "runs in " + (run.cwd || "?") + ":"),
+      NT.el("code", { class: "cmd" }, ck.resume_command || "(no command recorded)"),
+      NT.el("div", { class: "layout" }, (run.world_size ? run.world_size + " processes" : "processes: as the command says") +
+        (layout ? " (" + layout + ")" : "")), go, " ", cancel);
+    $("launch-result").replaceChildren(box);
+    cancel.addEventListener("click", () => $("launch-result").replaceChildren());
+    go.addEventListener("click", () => resume(ck, button));
+  }
+
   async function resume(ck, button) {
     button.disabled = true;
+    const before = new Set((state.run && state.run.resumed_runs) || []);
     try {
       const res = await NT.json("/api/checkpoints/" + ck.id + "/resume", {
         method: "POST", headers: { "X-CSRF-Token": state.session.csrf } });
-      $("launch-result").textContent = "started pid " + res.pid + " in " + res.cwd + " (log: " + res.log + ")";
+      $("launch-result").replaceChildren("started pid " + res.pid + " in " + res.cwd + " (log: " + res.log + "); ",
+        NT.el("span", { id: "new-run" }, "waiting for the new run to report..."));
+      watchForChild(before, Date.now() + 10 * 60 * 1000);
     } catch (e) { $("launch-result").textContent = "resume failed: " + (e.message || e); }
     button.disabled = false;
+  }
+
+  // The launched trainer's run_start names this run as its parent: link to it when it does.
+  async function watchForChild(before, until) {
+    const run = await NT.json("/api/runs/" + encodeURIComponent(runId)).catch(() => null);
+    const child = run && run.resumed_runs.find((c) => !before.has(c));
+    if (child) {
+      $("new-run").replaceChildren("new run: ", NT.el("a", { href: "/runs/" + encodeURIComponent(child), id: "new-run-link" }, child));
+      return;
+    }
+    if (Date.now() < until) setTimeout(() => watchForChild(before, until), 1000);
+    else $("new-run").textContent = "no run reported within 10 minutes: see the log";
   }
 
   async function loadCheckpoints() {
@@ -254,7 +368,7 @@
       const actions = NT.el("td", {}, copyBtn);
       if (state.session && state.session.allow_launch) {
         const b = NT.el("button", { class: "resume" }, "Resume");
-        b.addEventListener("click", () => resume(ck, b));
+        b.addEventListener("click", () => confirmResume(ck, b));
         actions.append(" ", b);
       }
       // binary units, as the trainer's listing prints them
@@ -278,10 +392,18 @@
     } catch (e) { $("error").textContent = "delete failed: " + (e.message || e); }
   }
 
+  // Runs of the same project and name are told apart by their start, step and status; the
+  // legend gets a short label (name and start), not a run id that wraps onto four lines.
+  function started(t) {
+    return t ? new Date(t * 1000).toISOString().slice(0, 16).replace("T", " ") + " UTC" : "start unknown";
+  }
+
   async function loadCompareChoices() {
     const runs = await NT.json("/api/runs?limit=200");
+    for (const r of runs) state.labels[r.id] = (r.name || r.id).slice(0, 40) + " (" + started(r.started).slice(5) + ")";
     $("compare").replaceChildren(...runs.filter((r) => r.id !== runId).map((r) =>
-      NT.el("option", { value: r.id }, (r.project ? r.project + "/" : "") + (r.name || r.id))));
+      NT.el("option", { value: r.id }, (r.project ? r.project + "/" : "") + (r.name || r.id) + " \u00b7 started " +
+        started(r.started) + " \u00b7 step " + (r.step ?? "-") + " \u00b7 " + r.status)));
   }
 
   $("x-axis").addEventListener("change", reload);

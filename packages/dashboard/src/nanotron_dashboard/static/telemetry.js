@@ -65,10 +65,36 @@ const NTT = (() => {
       .map((e) => e.details.rank));
   }
 
-  function byMedian(col) {
+  function median(col) {
     const vals = col.filter((v) => v !== null).sort((a, b) => a - b);
-    const n = vals.length, m = n ? (n % 2 ? vals[(n - 1) / 2] : (vals[n / 2 - 1] + vals[n / 2]) / 2) : 0;
-    return col.map((v) => (v === null || !(m > 0) ? null : v / m));
+    const n = vals.length;
+    return n ? (n % 2 ? vals[(n - 1) / 2] : (vals[n / 2 - 1] + vals[n / 2]) / 2) : null;
+  }
+
+  // The colour of a cell is its deviation from its interval's median on a fixed scale, so
+  // that 1% apart looks alike and 25% apart looks hot: min-to-max colouring painted two ranks
+  // 1.3% apart full blue and full red. Beyond the range the colour saturates.
+  const HEAT_RANGE = 0.25;
+  const heatT = (dev) => 0.5 + dev / (2 * HEAT_RANGE);
+
+  // A field's value for people: bytes in MiB, times in ms, with the unit
+  function fieldValue(field, v) {
+    if (v === null || v === undefined) return "no value";
+    if (field.endsWith("_bytes")) return NT.num(v / 1048576, 1) + " MiB";
+    const unit = field.endsWith("_ms") ? " ms" : field.endsWith("_pct") ? " %" : field.endsWith("_w") ? " W" : "";
+    return NT.num(v, 2) + unit;
+  }
+
+  function drawScale(el) {  // the colour bar with its ticks: -25% .. 0 .. +25%
+    const w = 240, h = 30, { g } = canvas(el, w, h);
+    for (let x = 0; x < w - 20; x++) { g.fillStyle = ramp(x / (w - 21)); g.fillRect(10 + x, 0, 1, 12); }
+    g.fillStyle = "#1d2330"; g.font = "10px system-ui, sans-serif"; g.textBaseline = "top";
+    [-HEAT_RANGE, -HEAT_RANGE / 2, 0, HEAT_RANGE / 2, HEAT_RANGE].forEach((d) => {
+      const x = 10 + heatT(d) * (w - 21);
+      g.fillRect(x, 12, 1, 4);
+      g.textAlign = "center";
+      g.fillText((d > 0 ? "+" : d < 0 ? "\u2212" : "") + Math.round(Math.abs(d) * 100) + "%", Math.min(Math.max(x, 12), w - 14), 17);
+    });
   }
 
   function drawHeat() {
@@ -77,18 +103,18 @@ const NTT = (() => {
     $("ranks-section").hidden = empty;
     if (empty) return;
     const { h, field } = view.heat;
-    const relative = $("heat-relative").checked;
-    // [interval][rank]; relative: each value over its interval's median, so that a rank
+    // [interval][rank]: each value's deviation from its interval's median, so that a rank
     // slower than the others stands out even while the whole run speeds up or slows down
-    const grid = relative ? h.values[field].map(byMedian) : h.values[field];
+    const medians = h.values[field].map(median);
+    const grid = h.values[field].map((col, j) => col.map((v) => (v === null || !(medians[j] > 0) ? null : v / medians[j] - 1)));
     const ranks = h.ranks.slice(0, MAX_ROWS);
     const left = 230, top = 8, bottom = 24;
     const cellH = Math.max(1, Math.min(18, Math.floor(480 / ranks.length)));
     const plotW = Math.max($("heat-box").clientWidth - left - 10, 100);
     const cellW = plotW / h.steps.length;
     const { g, dpr } = canvas(el, left + plotW + 10, top + ranks.length * cellH + bottom);
-    let lo = Infinity, hi = -Infinity;
-    for (const col of grid) for (const v of col.slice(0, MAX_ROWS)) if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+    let lo = Infinity, hi = -Infinity;  // of the values themselves, for the legend
+    for (const col of h.values[field]) for (const v of col.slice(0, MAX_ROWS)) if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
     g.font = "11px system-ui, sans-serif"; g.textBaseline = "middle"; g.fillStyle = "#1d2330";
     const every = Math.ceil(11 / cellH);
     ranks.forEach((r, i) => {
@@ -96,7 +122,7 @@ const NTT = (() => {
     });
     grid.forEach((col, j) => ranks.forEach((_, i) => {
       const v = col[i];
-      g.fillStyle = v === null ? "#e3e6eb" : ramp(hi > lo ? (v - lo) / (hi - lo) : 0);
+      g.fillStyle = v === null ? "#e3e6eb" : ramp(heatT(v));
       g.fillRect(left + j * cellW, top + i * cellH, Math.ceil(cellW), cellH);
     }));
     const slow = stragglerRanks();
@@ -107,10 +133,12 @@ const NTT = (() => {
     for (let j = 0; j < h.steps.length; j += tickEvery) {  // a label per ~60 px of columns
       g.fillText(String(h.steps[j]), left + j * cellW, top + ranks.length * cellH + 6);
     }
-    const unit = relative ? "x the interval's median" : "";
-    $("heat-legend").textContent = FIELDS[field] + ": " + (lo === Infinity ? "no values" : NT.num(lo) + unit + " (blue) .. " + NT.num(hi) + unit + " (red)") +
-      " · " + h.steps.length + " of " + h.total + " intervals" + (h.ranks.length > MAX_ROWS ? " · first " + MAX_ROWS + " ranks" : "");
-    view.heatGeom = { left, top, cellW, cellH, dpr, steps: h.steps, rows: ranks.map((r) => r.rank), field, lo, hi, relative };
+    drawScale($("heat-scale"));
+    $("heat-legend").textContent = FIELDS[field] + ": colour = deviation from each interval's median (blue faster, red slower, " +
+      "\u00b1" + HEAT_RANGE * 100 + "% and beyond saturated); values " + (lo === Infinity ? "none" : fieldValue(field, lo) + " .. " + fieldValue(field, hi)) +
+      " · columns: intervals, labelled by their last step · " + h.steps.length + " of " + h.total + " intervals" +
+      (h.ranks.length > MAX_ROWS ? " · first " + MAX_ROWS + " ranks" : "");
+    view.heatGeom = { left, top, cellW, cellH, dpr, steps: h.steps, rows: ranks.map((r) => r.rank), field, lo, hi, range: HEAT_RANGE, medians };
     ctx.state.heatmap = view.heatGeom;
   }
 
@@ -122,8 +150,10 @@ const NTT = (() => {
     const i = Math.floor((ev.clientY - rect.top - geo.top) / geo.cellH);
     const r = view.heat.h.ranks[i];
     if (j < 0 || j >= geo.steps.length || !r) { $("heat-tip").textContent = ""; return; }
-    const v = view.heat.h.values[geo.field][j][i];
-    $("heat-tip").textContent = rankName(r) + " at step " + geo.steps[j] + ": " + (v === null ? "no value" : NT.num(v));
+    const v = view.heat.h.values[geo.field][j][i], m = geo.medians[j];
+    const from = geo.steps[j] - (view.heat.h.intervals[j] || 1) + 1;
+    const dev = v !== null && m > 0 ? " (" + (v >= m ? "+" : "\u2212") + NT.num(Math.abs(v / m - 1) * 100, 1) + "% vs the interval's median " + fieldValue(geo.field, m) + ")" : "";
+    $("heat-tip").textContent = rankName(r) + ", steps " + from + "\u2013" + geo.steps[j] + ": " + fieldValue(geo.field, v) + dev;
   }
 
   function showStraggler() {
@@ -236,8 +266,10 @@ const NTT = (() => {
   // Vertical lines at the event steps, on every chart (a uPlot plugin; run.js maps steps to x).
   function markersPlugin(xOfStep) {
     return { hooks: { draw: (u) => {
-      const g = u.ctx, b = u.bbox, drawn = [];
-      g.save(); g.lineWidth = 2 * (window.devicePixelRatio || 1);
+      const g = u.ctx, b = u.bbox, drawn = [], dpr = window.devicePixelRatio || 1;
+      let labelEnd = -Infinity;  // labels that would overlap the previous one are left out
+      g.save(); g.lineWidth = 2 * dpr;
+      g.font = (10 * dpr) + "px system-ui, sans-serif"; g.textBaseline = "top";
       for (const e of view.events) {
         if (e.step === null || e.step === undefined) continue;
         const x = xOfStep(e.step);
@@ -246,7 +278,15 @@ const NTT = (() => {
         if (px < b.left || px > b.left + b.width) continue;
         g.strokeStyle = SEVERITY_COLORS[e.severity] || SEVERITY_COLORS.info;
         g.beginPath(); g.moveTo(px, b.top); g.lineTo(px, b.top + b.height); g.stroke();
-        drawn.push({ step: e.step, kind: e.kind, x, px });
+        // the marker says what it is: its kind, and the step
+        const label = e.kind.replace(/_/g, " ") + " @ " + e.step;
+        const w = g.measureText(label).width;
+        const labelled = px + 3 > labelEnd;
+        if (labelled) {
+          g.fillStyle = g.strokeStyle; g.fillText(label, px + 3 * dpr, b.top + 2 * dpr);
+          labelEnd = px + 3 * dpr + w + 4 * dpr;
+        }
+        drawn.push({ step: e.step, kind: e.kind, x, px, label: labelled ? label : null });
       }
       g.restore();
       u.markers = drawn;
@@ -265,12 +305,27 @@ const NTT = (() => {
     showSamples();
   }
 
+  // Whitespace a model generated, made visible: a completion of newlines was a tall blank
+  // row. Line ends show as a return sign, tabs as an arrow; a text of whitespace only (or
+  // nothing) shows each space as a dot too, and says so.
+  function visible(text) {
+    const marked = text.replace(/\t/g, "\u2192\t").replace(/\n/g, "\u21b5\n");
+    if (text.trim()) return marked;
+    return marked.replace(/ /g, "\u00b7") + " (" + (text.length ? text.length + " whitespace characters" : "empty") + ")";
+  }
+
+  // A cell of bounded height (a few lines); a click shows the whole text, another folds it.
+  function sampleCell(cls, text) {
+    const pre = NT.el("pre", { class: cls + " clip", title: "click to show it all" }, visible(text));
+    pre.addEventListener("click", () => pre.classList.toggle("open"));
+    return NT.el("td", {}, pre);
+  }
+
   function showSamples() {
     const s = (view.samples || []).find((x) => String(x.step) === $("sample-step").value);
     if (!s) return;
     $("samples").querySelector("tbody").replaceChildren(...s.samples.map((x) =>
-      NT.el("tr", {}, NT.el("td", {}, NT.el("pre", { class: "prompt" }, x.prompt)),
-        NT.el("td", {}, NT.el("pre", { class: "completion" }, x.completion)))));
+      NT.el("tr", {}, sampleCell("prompt", x.prompt), sampleCell("completion", x.completion))));
   }
 
   // --- tags and note ------------------------------------------------------------------------
@@ -281,8 +336,20 @@ const NTT = (() => {
     $("note-input").value = run.note || "";
   }
 
+  // The server's rule for a tag (telemetry_api.Tag), said in words before anything is sent
+  const TAG_RE = /^[A-Za-z0-9._:-]{1,64}$/, MAX_TAGS = 32;
+  function tagProblem(tags) {
+    const bad = tags.find((t) => !TAG_RE.test(t));
+    if (bad !== undefined) {
+      return "tag \u201c" + bad.slice(0, 80) + "\u201d: a tag is 1 to 64 letters, digits or . _ : - (no spaces or other signs)";
+    }
+    return tags.length > MAX_TAGS ? tags.length + " tags: at most " + MAX_TAGS : null;
+  }
+
   async function saveLabels() {
     const tags = $("tags-input").value.split(/[\s,]+/).filter((t) => t);
+    const problem = tagProblem(tags);
+    if (problem) { $("labels-result").textContent = "not saved: " + problem; return; }
     try {
       const res = await NT.json("/api/runs/" + encodeURIComponent(ctx.runId), {
         method: "PATCH", headers: { "Content-Type": "application/json" },
@@ -298,7 +365,6 @@ const NTT = (() => {
     ctx = c;
     $("heat-field").replaceChildren(...Object.entries(FIELDS).map(([k, v]) => NT.el("option", { value: k }, v)));
     $("heat-field").addEventListener("change", loadHeat);
-    $("heat-relative").addEventListener("change", drawHeat);
     $("heatmap").addEventListener("mousemove", heatTip);
     $("tl-step").addEventListener("change", loadTimeline);
     $("sample-step").addEventListener("change", showSamples);
