@@ -4,9 +4,11 @@
    and m = 2p, 4p: 1F1B and interleaved 1F1B (v = 2) from their formulas, zb-h1 and zbv from
    their simulated plans (nanotron_parallel.pipeline.zb_plan; tests check plan = formula).
 2. On the CPU, pp = 2 gloo processes, a Llama of equal stages (same layers per stage, the
-   embedding and the head on the ends) and m = 8: per stage, the peak bytes autograd saves for
-   backward (`track_activations`, held from F to W under zb-h1) and the median step time, each
-   zb-h1 / 1f1b in the same run.
+   embedding and the head on the ends; zbv: four equal quarters in the V) and m = 8: per
+   stage, the peak bytes autograd saves for backward (`track_activations`, held from F to W)
+   under 1f1b, zb-h1, zb-h1-stage-memory (the planner's variant at 1F1B's memory on every
+   stage) and zbv, each as a ratio to the same stage's 1f1b and to 1f1b's first stage; and the
+   median step time zb-h1 / 1f1b, all in the same run.
 
     .venv/bin/python bench/zero_bubble.py [--steps 4] [--hidden 256] [--layers 4]
 
@@ -28,22 +30,44 @@ from nanotron_parallel.testing import run_distributed
 
 
 def idle_table() -> None:
-    print("planned idle share of a step, F = B = W (zb-h1, zbv: simulated plans)")
-    print(f"{'p':>3} {'m':>4} {'1f1b':>7} {'interl.':>7} {'zb-h1':>7} {'zbv':>7}")
+    print("planned idle share of a step, F = B = W (zb-*, zbv: simulated plans)")
+    names = ("zb-h1", "zb-h1-stage-memory", "zbv")
+    print(f"{'p':>3} {'m':>4} {'1f1b':>7} {'interl.':>7} {'zb-h1':>7} {'zb-h1sm':>7} {'zbv':>7}")
     for p in (2, 4, 8):
         for m in (2 * p, 4 * p):
             row = [idle_formula("1f1b", p, m), idle_formula("interleaved-1f1b", p, m)]
-            row += [plan("zb-h1", p, m).idle_share(), plan("zbv", p, m).idle_share()]
+            row += [plan(name, p, m).idle_share() for name in names]
             print(f"{p:>3} {m:>4} " + " ".join(f"{x:7.3f}" for x in row))
+
+
+def _chunks(config, pc, layers: int, v_shape: bool):
+    """Equal stages: this rank's half of the blocks (embedding + half the layers | the rest +
+    norm, head, loss), or under zbv its two quarters in the V (rank 0: the two ends)."""
+    import torch
+
+    from nanotron_models import build_llama_stage, llama_block_names
+
+    names = llama_block_names(config)
+    if not v_shape:
+        half = 1 + layers // 2
+        return build_llama_stage(config, pc, names[:half] if pc.pp_rank == 0 else names[half:])
+    q = layers // 4
+    quarters = [names[: 1 + q], names[1 + q : 1 + 2 * q], names[1 + 2 * q : 1 + 3 * q],
+                names[1 + 3 * q :]]  # fmt: skip
+    mine = [quarters[pc.pp_rank], quarters[3 - pc.pp_rank]]  # virtual stages r and 2p - 1 - r
+    holder = torch.nn.ModuleList([build_llama_stage(config, pc, n, seed=0) for n in mine])
+    holder.chunks = list(holder)
+    return holder
 
 
 def _worker(steps: int, hidden: int, layers: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nanotron_models import LlamaConfig, build_llama_stage, llama_block_names
+    from nanotron_models import LlamaConfig
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.pipeline import run_pipeline_step
+    from nanotron_parallel.pipeline.zero_bubble import train_step_zero_bubble
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -53,10 +77,8 @@ def _worker(steps: int, hidden: int, layers: int) -> dict:
         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
         max_position_embeddings=128, attn_backend="sdpa",
     )  # fmt: skip
-    names = llama_block_names(config)
-    half = 1 + layers // 2  # embedding + half the layers | the rest + norm, head, loss
-    mine = names[:half] if pc.pp_rank == 0 else names[half:]
-    stage = build_llama_stage(config, pc, mine, seed=0)
+    torch.manual_seed(0)
+    stage, v_chunks = _chunks(config, pc, layers, False), _chunks(config, pc, layers, True)
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(8):
@@ -66,10 +88,14 @@ def _worker(steps: int, hidden: int, layers: int) -> dict:
              "label_mask": torch.ones(2, 128, dtype=torch.bool)}
         )  # fmt: skip
     out = {}
-    for engine in ("1f1b", "zb-h1"):
-        res = run_pipeline_step(engine, stage, batches, pc, track_activations=True)
-        out[engine + "_bytes"] = res.stats.peak_saved_activation_bytes
-        stage.zero_grad(set_to_none=True)
+    for name in ("1f1b", "zb-h1", "zb-h1-stage-memory", "zbv"):
+        model = v_chunks if name == "zbv" else stage
+        if name == "zb-h1-stage-memory":  # a plan of the planner, run by the zero-bubble runner
+            res = train_step_zero_bubble(name, model, batches, pc, track_activations=True)
+        else:
+            res = run_pipeline_step(name, model, batches, pc, track_activations=True)
+        out[name + "_bytes"] = res.stats.peak_saved_activation_bytes
+        model.zero_grad(set_to_none=True)
     times = {"1f1b": [], "zb-h1": []}
     for _ in range(steps):  # alternate engines so load changes hit both alike
         for engine in times:
@@ -93,13 +119,15 @@ def main() -> None:
     args = parser.parse_args()
     idle_table()
     results = run_distributed(_worker, 2, args.steps, args.hidden, args.layers, timeout=600)
-    print("\npp=2, m=8, equal stages, CPU (gloo, 1 thread per stage)")
+    print("\npp=2, m=8, equal stages, CPU (gloo, 1 thread per stage): peak saved activations")
+    base = results[0]["1f1b_bytes"]  # 1F1B's first stage: the pipeline's peak
     for rank, r in enumerate(results):
-        ratio = r["zb-h1_bytes"] / r["1f1b_bytes"]
-        print(
-            f"stage {rank}: peak saved activations 1f1b {r['1f1b_bytes'] / 2**20:.1f} MiB, "
-            f"zb-h1 {r['zb-h1_bytes'] / 2**20:.1f} MiB (x{ratio:.2f})"
-        )
+        cells = []
+        for name in ("1f1b", "zb-h1", "zb-h1-stage-memory", "zbv"):
+            mib, own = r[name + "_bytes"] / 2**20, r[name + "_bytes"] / r["1f1b_bytes"]
+            cells.append(f"{name} {mib:.1f} MiB (x{own:.2f}, x{r[name + '_bytes'] / base:.2f})")
+        print(f"stage {rank}: " + ", ".join(cells))
+    print("(x own stage's 1f1b, x 1f1b's first stage)")
     r = results[0]
     print(
         f"step time: 1f1b {r['1f1b_s'] * 1e3:.0f} ms, zb-h1 {r['zb-h1_s'] * 1e3:.0f} ms, "

@@ -92,3 +92,27 @@ def test_a_new_row_is_run_by_name_and_read_by_the_memory_estimate(monkeypatch) -
         tokens=SimpleNamespace(batch_accumulation_per_replica=6),
     )
     assert _in_flight(cfg) == 10
+
+
+def test_each_engine_places_its_chunks_and_its_loss() -> None:
+    """Virtual stage of (rank, chunk) at pp=2, and the rank holding the last one (the loss and
+    a tied lm_head) at pp=4: zbv's V puts both ends on rank 0."""
+    places = {n: [e.stage_of(r, c, 2) for r in (0, 1) for c in (0, 1)] for n, e in ENGINES.items()}
+    assert places["interleaved-1f1b"] == [0, 2, 1, 3] and places["zbv"] == [0, 3, 1, 2]
+    last = {n: e.last_stage_rank(4, e.chunks(2)) for n, e in ENGINES.items()}
+    assert last == {"afab": 3, "1f1b": 3, "interleaved-1f1b": 3, "zb-h1": 3, "zbv": 0}
+
+
+def test_zbv_needs_two_layers_per_rank(tmp_path) -> None:
+    from nanotron_train.config import ConfigError, config_from_dict
+    from tests.train.test_checkpoint import tiny_config
+
+    raw = tiny_config({"dp": 1, "tp": 1, "pp": 2, "engine": "zbv"}, str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw, "test", world_size=None)
+    assert str(err.value).endswith(
+        "parallelism.pp: 2 with pp_engine zbv: its 2 chunks per rank make 4 virtual stages, "
+        "more than model.model_config.num_hidden_layers=2"
+    )
+    raw["model"]["model_config"]["num_hidden_layers"] = 4
+    assert config_from_dict(raw, "test", world_size=None).parallelism.pp_engine == "zbv"

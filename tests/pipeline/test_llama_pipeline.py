@@ -3,7 +3,8 @@
 Each rank builds its stage with build_llama_stage and the whole model with build_llama from the
 same seed (initialisation is topology-independent), runs one pipeline step, syncs the tied
 gradients, and compares the mean loss and every parameter's full gradient with the whole model's
-gradient accumulation over the same micro-batches.
+gradient accumulation over the same micro-batches. The zero-bubble engines' cases
+(tests/pipeline/test_zero_bubble.py) run in the same launch, on the same layouts.
 """
 
 from __future__ import annotations
@@ -56,21 +57,26 @@ def _reference(config, pc_ref, micro_batches) -> tuple[float, dict[str, torch.Te
 
 
 def _llama_worker(layouts: list[tuple]) -> list[list[dict]]:
-    """Each layout (dp, tp, pp, layers, cases) in turn on the same processes (one default
-    group, so one launch covers every layout); returns each layout's case results."""
+    """Each layout (dp, tp, pp, layers, cases, zero-bubble cases) in turn on the same processes
+    (one default group, so one launch covers every layout); returns each layout's results."""
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
+    from tests.pipeline.test_zero_bubble import run_zb_cases
 
     dist.init_process_group("gloo")
     pc_ref = ParallelContext(dp=dist.get_world_size())  # the whole model on every process
-    out = [_run_layout(pc_ref, *layout) for layout in layouts]
+    out = []
+    for dp, tp, pp, layers, cases, zb_cases in layouts:
+        pc = ParallelContext(dp=dp, tp=tp, pp=pp)
+        out.append(_run_layout(pc, pc_ref, layers, cases) + run_zb_cases(pc, pc_ref, zb_cases))
+        pc.destroy()
     pc_ref.destroy()
     dist.destroy_process_group()
     return out
 
 
-def _run_layout(pc_ref, dp: int, tp: int, pp: int, layers: int, cases: list[tuple]) -> list[dict]:
+def _run_layout(pc, pc_ref, layers: int, cases: list[tuple]) -> list[dict]:
     """Each case (engine, tie, tp_mode, m): one step on a fresh stage, checked on this rank."""
     from nanotron_models import (
         build_llama_stage,
@@ -78,7 +84,6 @@ def _run_layout(pc_ref, dp: int, tp: int, pp: int, layers: int, cases: list[tupl
         llama_block_costs,
         llama_block_names,
     )
-    from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.pipeline import (
         loss_on_all_pp_ranks,
         run_pipeline_step,
@@ -86,7 +91,7 @@ def _run_layout(pc_ref, dp: int, tp: int, pp: int, layers: int, cases: list[tupl
     )
     from nanotron_parallel.tied import sync_tied_gradients, tied_copies_equal
 
-    pc = ParallelContext(dp=dp, tp=tp, pp=pp)
+    pp = pc.pp_size
     out = []
     for engine, tie, tp_mode, m in cases:
         config = _config(layers, tie)
@@ -123,7 +128,6 @@ def _run_layout(pc_ref, dp: int, tp: int, pp: int, layers: int, cases: list[tupl
                 "bytes": result.stats.peak_saved_activation_bytes,
             }
         )
-    pc.destroy()
     return out
 
 
@@ -154,19 +158,30 @@ PP2_TP2 = [
 PP4_TP2 = [("1f1b", True, "REDUCE_SCATTER", 5), ("afab", False, "ALL_REDUCE", 2)]
 
 
-def test_llama_pipeline_equals_one_process_for_pp_2_4_tp_1_2_both_engines() -> None:
-    """One 8-process launch: pp=4 x dp=2, pp=2 x tp=2 x dp=2, pp=4 x tp=2 (dp=1)."""
-    layouts = [(2, 1, 4, 4, PP4), (2, 2, 2, 3, PP2_TP2), (1, 2, 4, 5, PP4_TP2)]
-    results = run_distributed(_llama_worker, 8, layouts, timeout=300)
+def test_llama_pipeline_equals_one_process_for_pp_2_4_tp_1_2_every_engine() -> None:
+    """One 8-process launch: pp=4 x dp=2, pp=2 x tp=2 x dp=2, pp=4 x tp=2 (dp=1); afab and
+    1f1b here, zb-h1 and zbv from test_zero_bubble.ZB_CASES on the first two layouts."""
+    from tests.pipeline.test_zero_bubble import ZB_CASES, check_zb_results
+
+    layouts = [
+        (2, 1, 4, 4, PP4, ZB_CASES["pp4"]),
+        (2, 2, 2, 3, PP2_TP2, ZB_CASES["tp2_pp2"]),
+        (1, 2, 4, 5, PP4_TP2, []),
+    ]
+    results = run_distributed(_llama_worker, 8, layouts, timeout=400)
     by_layout = [[rank_results[k] for rank_results in results] for k in range(len(layouts))]
-    for (_dp, _tp, pp, layers, _cases), layout_results in zip(layouts, by_layout):
+    for (_dp, _tp, pp, layers, cases, _zb), layout_results in zip(layouts, by_layout):
         # Every dp replica and tp rank of a stage reports the same stage; count one of each.
-        _check(_one_per_stage(layout_results), pp, layers)
+        mine = [rank_results[: len(cases)] for rank_results in layout_results]
+        _check(_one_per_stage(mine), pp, layers)
+        for rank_results in layout_results:  # the zero-bubble cases: checked on every rank
+            assert all(r["worst"] <= 1e-5 for r in rank_results[len(cases) :])
+    check_zb_results([rank_results[len(PP4) :] for rank_results in by_layout[0]])
 
     # Memory on the Llama too: with m = 8, 1F1B holds pp - rank micro-batches, AFAB all 8,
     # and the saved activation bytes follow the same ratio.
     for rank_results in by_layout[0]:
-        by = {r["case"]: r for r in rank_results}
+        by = {r["case"]: r for r in rank_results[: len(PP4)]}
         afab, ofob = by[("afab", False, "ALL_REDUCE", 8)], by[("1f1b", False, "ALL_REDUCE", 8)]
         pp_rank = afab["pp_rank"]
         assert (afab["live"], ofob["live"]) == (8, 4 - pp_rank)

@@ -1,7 +1,8 @@
 """Parameters tied across pipeline stages (the embedding and the lm_head of a tied Llama).
 
 A tied parameter has one copy on the first stage and one on the last, each marked with the
-same `ParamMeta.tied_key`. Both copies start equal (same seed) and get the same update only if
+same `ParamMeta.tied_key` (unless one rank holds both ends, as the first rank does under the
+zbv engine's V layout: then it holds one shared copy and no group is needed). Both copies start equal (same seed) and get the same update only if
 they see the same gradient, so before the optimizer step the gradients are summed over the
 tied group: the ranks of the first and last stage with the same dp and tp coordinates (their
 tp shards cover the same rows). Sums are computed by one all-reduce, whose result is bitwise
@@ -67,11 +68,12 @@ class TiedParameters:
     groups: list[TiedParameterGroup]
 
     @staticmethod
-    def build(model: nn.Module, pc: ParallelContext) -> TiedParameters:
-        """Collective over the world when pp > 1 (every rank must call it)."""
+    def build(model: nn.Module, pc: ParallelContext, ends_apart: bool = True) -> TiedParameters:
+        """Collective over the world when pp > 1 and `ends_apart` (the first and the last
+        stage on different ranks; every rank must call it alike)."""
         local = find_tied_parameters(model)
         group, ranks = None, [pc.rank]
-        if pc.pp_size > 1:
+        if pc.pp_size > 1 and ends_apart:
             rank_lists = tied_rank_lists(pc)
             group = pc.new_groups(rank_lists)  # None on the middle stages
             if group is not None:
@@ -131,11 +133,13 @@ def _check_same_keys(keys: list[str], group: dist.ProcessGroup, ranks: list[int]
         raise TiedParameterError(f"tied parameters differ between pipeline stages ({detail})")
 
 
-def tied_parameters(model: nn.Module, pc: ParallelContext) -> TiedParameters:
+def tied_parameters(
+    model: nn.Module, pc: ParallelContext, ends_apart: bool = True
+) -> TiedParameters:
     """The model's TiedParameters, built on the first call (collective) and then reused."""
     cached = model.__dict__.get(_CACHE_ATTR)
     if cached is None:
-        cached = TiedParameters.build(model, pc)
+        cached = TiedParameters.build(model, pc, ends_apart)
         model.__dict__[_CACHE_ATTR] = cached
     return cached
 

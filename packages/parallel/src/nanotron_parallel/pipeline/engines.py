@@ -11,7 +11,8 @@ after its action of a slot, posts exactly the mirrored sends and receives of tha
 the simulation raises if the orders cannot complete. They refuse, at config time, ZeRO-3 (it
 frees gathered weights after each block's backward, before W has used them), torch.compile of
 the layers (the W queue is Python state a compiled backward cannot reach) and context
-parallelism (not verified yet); zbv is not yet wired into the trainer (see config checks).
+parallelism (not verified yet). zbv's first rank holds both ends of the V: the runner hands
+the loss to the last rank, where every caller reads it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from nanotron_parallel.pipeline.interleaved import (
 from nanotron_parallel.pipeline.recorder import NO_RECORDER
 from nanotron_parallel.pipeline.schedules import forward_only, train_step_1f1b, train_step_afab
 from nanotron_parallel.pipeline.step import MicroBatch, PipelineScheduleError, PipelineStepResult
+from nanotron_parallel.pipeline.zb_plan import idle_formula, v_shape
 from nanotron_parallel.pipeline.zero_bubble import forward_only_zbv, train_step_zero_bubble
 
 if TYPE_CHECKING:
@@ -47,7 +49,10 @@ class PipelineEngine:
     `gathers_in_stage_order`: a stage's forward calls its blocks in order (ZeRO-3 prefetches
     the next block on that assumption); `span_kinds`: what its timeline spans are called;
     `fixed_chunks`: chunks per rank whatever pp_virtual_stages says (zbv: 2);
-    `splits_backward`: B and W run apart (what ZeRO-3, compile and cp cannot follow yet).
+    `splits_backward`: B and W run apart (what ZeRO-3, compile and cp cannot follow yet);
+    `stage_of(rank, chunk, pp)`: the virtual stage of a rank's chunk (interleaved: chunk * pp +
+    rank; zbv: the V); `planned_idle(pp, m, chunks)`: the idle share of a step with equal costs
+    (what telemetry reports beside the measured bubble).
     """
 
     name: str
@@ -60,12 +65,19 @@ class PipelineEngine:
     span_kinds: tuple[str, ...] = ("forward", "backward")
     fixed_chunks: int = 0
     splits_backward: bool = False
+    stage_of: Callable[[int, int, int], int] = lambda rank, chunk, pp: chunk * pp + rank
+    planned_idle: Callable[[int, int, int], float] = lambda pp, m, v: (pp - 1) / (v * m + pp - 1)
 
     def chunks(self, virtual_stages: int) -> int:
         """Model chunks per rank for `parallelism.pp_virtual_stages` = virtual_stages."""
         if self.fixed_chunks:
             return self.fixed_chunks
         return virtual_stages if self.uses_virtual_stages else 1
+
+    def last_stage_rank(self, pp: int, chunks: int) -> int:
+        """The pp rank holding the last virtual stage (the loss): pp - 1, or 0 under zbv."""
+        last = pp * chunks - 1
+        return next(r for r in range(pp) for c in range(chunks) if self.stage_of(r, c, pp) == last)
 
 
 ENGINES: dict[str, PipelineEngine] = {
@@ -97,6 +109,7 @@ ENGINES: dict[str, PipelineEngine] = {
         in_flight=lambda m, pp: min(m, pp),  # every rank holds up to 1F1B's first-stage peak
         span_kinds=("forward", "backward", "W"),
         splits_backward=True,
+        planned_idle=lambda pp, m, v: idle_formula("zb-h1", pp, m),
     ),
     "zbv": PipelineEngine(
         "zbv",
@@ -107,6 +120,8 @@ ENGINES: dict[str, PipelineEngine] = {
         fixed_chunks=2,
         gathers_in_stage_order=False,
         splits_backward=True,
+        stage_of=v_shape,
+        planned_idle=lambda pp, m, v: idle_formula("zbv", pp, m),
     ),
 }
 

@@ -11,9 +11,13 @@ the order completes: it raises if a slot makes no progress.
 - zb-h1 (Qi et al., "Zero Bubble Pipeline Parallelism", handcrafted ZB-H1): one chunk per
   rank. Rank r runs p - r forwards, then for every micro-batch a B, the W of the micro-batch
   r places behind, and the next F; the W left over fill the tail. At most p micro-batches
-  are alive on a rank (forwarded, W not yet run): 1F1B's peak (its first rank). With
-  F = B = W the idle share is (p - 1) / (3m + p - 1), a third of 1F1B's (p - 1) / (m + p - 1)
-  in slots, for m >= p.
+  are alive on a rank (forwarded, W not yet run): 1F1B's peak (its first rank), which is the
+  paper's bound; later stages hold more than under 1F1B. With F = B = W the idle share is
+  (p - 1) / (3m + p - 1), a third of 1F1B's (p - 1) / (m + p - 1) in slots, for m >= p.
+  Holding every stage to 1F1B's own p - r (`zb-h1-stage-memory`, W right after B) costs
+  twice that bubble, 2(p - 1) idle slots per rank, and no order does better: the last stage
+  may hold one micro-batch, so it runs F B W in series (3m slots after p - 1 of fill), and
+  its last B still has p - 1 stages to cross, each followed by a W.
 - zbv (ZB-V): two chunks per rank in a V: chunk 0 of rank r is virtual stage r, chunk 1 is
   virtual stage 2p - 1 - r, so the first rank holds both ends (embedding and loss) and the
   last rank hands its chunk 0's output to its own chunk 1 without a message. Warm-up of
@@ -93,13 +97,18 @@ class ZBPlan:
         return "\n".join(lines)
 
 
-def zb_h1_order(pp: int, m: int, rank: int) -> list[Action]:
+def zb_h1_order(pp: int, m: int, rank: int, lag: int | None = None) -> list[Action]:
+    """Rank `rank`'s ZB-H1 order: 1F1B's warm-up (p - r forwards), then per micro-batch B,
+    a W `lag` micro-batches behind (default r, the paper's), and the next F; the W left over
+    fill the tail. The rank holds p - r + lag micro-batches (F to W): lag = r gives every rank
+    1F1B's first-stage peak p; lag = 0 gives each stage 1F1B's own p - r."""
+    lag = rank if lag is None else lag
     warmup = min(pp - rank, m)
     order = [Action(FWD, i, 0) for i in range(warmup)]
     forwards, weights = warmup, 0
     for b in range(m):
         order.append(Action(BWD, b, 0))
-        if b + 1 - weights > rank:  # W trails B by `rank` micro-batches
+        if b + 1 - weights > lag:
             order.append(Action(WGT, weights, 0))
             weights += 1
         if forwards < m:
@@ -107,6 +116,13 @@ def zb_h1_order(pp: int, m: int, rank: int) -> list[Action]:
             forwards += 1
     order += [Action(WGT, i, 0) for i in range(weights, m)]
     return order
+
+
+def zb_h1_stage_memory_order(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-H1 held to 1F1B's activation memory on every stage (W right after its B). This is
+    the best any order can do under that bound: the last stage, holding one micro-batch,
+    runs F B W in series, so each rank idles 2(p - 1) slots, not the paper's p - 1."""
+    return zb_h1_order(pp, m, rank, lag=0)
 
 
 def zbv_order(pp: int, m: int, rank: int) -> list[Action]:
@@ -159,6 +175,8 @@ class ZBSchedule:
 SCHEDULES = {
     "zb-h1": ZBSchedule("zb-h1", 1, zb_h1_order, straight),
     "zbv": ZBSchedule("zbv", 2, zbv_order, v_shape),
+    # planner only (bench/zero_bubble.py): the price of 1F1B's memory on every stage
+    "zb-h1-stage-memory": ZBSchedule("zb-h1-stage-memory", 1, zb_h1_stage_memory_order, straight),
 }
 
 
@@ -216,6 +234,7 @@ def idle_formula(engine: str, pp: int, m: int, v: int = 2) -> float:
         "1f1b": lambda: (pp - 1) / (m + pp - 1),
         "interleaved-1f1b": lambda: (pp - 1) / (v * m + pp - 1),
         "zb-h1": lambda: (pp - 1) / (3 * m + pp - 1),
+        "zb-h1-stage-memory": lambda: 2 * (pp - 1) / (3 * m + 2 * (pp - 1)),
         "zbv": lambda: (pp - 1) / (6 * m + pp - 1),  # chunk slots: half a stage each
     }
     return formulas[engine]()

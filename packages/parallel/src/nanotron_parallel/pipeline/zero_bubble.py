@@ -154,7 +154,22 @@ def train_step_zero_bubble(
                     run.backward_weight(mb, chunk)
             _deliver(run, out, sent, pc, keys, model)
     loss = None if run.loss_sum is None else run.loss_sum / len(micro_batches)
+    n = pp * sched.chunks
+    if all(sched.virtual_stage(pp - 1, c, pp) != n - 1 for c in range(sched.chunks)):
+        loss = _to_last_stage(loss, pc, last is not None)  # the loss is not on the last rank
     return PipelineStepResult(loss, tracker.stats)
+
+
+def _to_last_stage(value: torch.Tensor | None, pc, holds: bool) -> torch.Tensor | None:
+    """zbv computes the loss on the first rank (both ends of the V); callers read it on the
+    last stage, as under every other engine: one broadcast over the pp group, no host sync."""
+    if pc.pp_size == 1:
+        return value
+    out = (
+        value.detach().clone() if holds else torch.zeros((), dtype=torch.float64, device=pc.device)
+    )
+    torch.distributed.broadcast(out, src=pc.pp_ranks[0], group=pc.pp_group)
+    return out if pc.is_last_stage else None
 
 
 def _deliver(run: _ZBRun, out: dict, sent: list[Message], pc, keys, model) -> None:
@@ -190,8 +205,8 @@ def forward_only_zbv(
     weights: Sequence[float],
 ) -> torch.Tensor | None:
     """Evaluation in the V layout: the forwards of the zbv plan, no autograd. Returns
-    sum_i weights[i] * loss_i (float64, on the device) on the first rank, which holds the
-    last virtual stage, None elsewhere."""
+    sum_i weights[i] * loss_i (float64, on the device) on the last stage (computed on the
+    first rank, which holds the last virtual stage, and handed over), None elsewhere."""
     chunks = list(getattr(model, "chunks", [model]))
     zb = plan("zbv", pc.pp_size, len(micro_batches), forward_only=True)
     keys = [("E", k) for k in shape_keys(micro_batches)]  # E: no grad, its own shapes
@@ -201,7 +216,7 @@ def forward_only_zbv(
             action = slot[pc.pp_rank]
             out = {} if action is None else {FWD: run.forward(action.micro_batch, action.chunk)}
             _deliver(run, out, sent, pc, keys, model)  # type: ignore[arg-type]
-    return run.total
+    return _to_last_stage(run.total, pc, run.holds_loss)
 
 
 @dataclass
