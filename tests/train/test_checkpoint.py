@@ -3,8 +3,8 @@
 A tiny Llama (hidden 32, 2 layers, vocab 128, seq 16, global batch 4) trains 12 steps; runs of
 one world size share one launch (a fresh ParallelContext per job). Exact resume: a run that
 stops at 6 (final save) and resumes to 12 logs the same lm_loss and grad_norm bitwise as one
-that never stopped. Reshard: checkpoints resumed under other (dp, tp, pp, zero) continue the
-uninterrupted run's curve within 1e-5 relative.
+that never stopped. Reshard: checkpoints resumed under other (dp, tp, pp, zero) or another pipeline
+engine (zbv <-> 1f1b, 4 layers) continue the uninterrupted run's curve within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def tiny_config(layout: dict, ckpt: str, steps: int = STEPS, resume: str | None 
         },
         "model": {
             "model_config": {
-                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": layout.get("layers", 2),
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 127,
                 "max_position_embeddings": 32, "tie_word_embeddings": layout.get("tied", True),
             },
@@ -109,6 +110,7 @@ def check_exact(results: list[dict], layout: dict) -> None:
 
 
 L221 = {"dp": 2, "tp": 2, "pp": 1, "zero": 1}
+ZBV = {"dp": 1, "tp": 1, "pp": 2, "engine": "zbv", "layers": 4}
 WORLD2 = {
     "dp2_zero1": {"dp": 2, "tp": 1, "pp": 1, "zero": 1},
     "tp2": {"dp": 1, "tp": 2, "pp": 1},
@@ -135,6 +137,13 @@ def runs(tmp_path_factory) -> dict:
         {"layout": {"dp": 2, "tp": 1, "pp": 1}, "ckpt": str(root / "r-211"),
          "resume": str(root / "pp2_1f1b-full" / str(HALF))},
     ]  # fmt: skip
+    # across engines at pp=2: zbv (the V: both ends on rank 0) -> 1f1b at 6, back to zbv at 9
+    jobs += [
+        {"layout": ZBV, "ckpt": str(root / "zbv")},
+        {"layout": {**ZBV, "engine": "1f1b"}, "ckpt": str(root / "zbv-1f1b"), "steps": 9,
+         "resume": str(root / "zbv" / str(HALF))},
+        {"layout": ZBV, "ckpt": str(root / "zbv-back"), "resume": str(root / "zbv-1f1b" / "9")},
+    ]  # fmt: skip
     out["w2"] = run_distributed(run_jobs, 2, jobs, timeout=400)[0]
     return out
 
@@ -160,6 +169,17 @@ def test_reshard_continues_the_run(runs):
     assert rel(r211["norm"], ref_112["norm"][HALF:]) <= REL
     # same model and data in every layout: the 2,2,1 run matches the single process too
     assert rel(w4["loss"], runs["single"][0]["loss"]) <= REL
+
+
+def test_resume_across_pipeline_engines(runs):
+    """A zbv checkpoint resumed under 1f1b, and that run's checkpoint resumed under zbv,
+    continue the uninterrupted zbv run within 1e-5 (steps 7-9, then 10-12)."""
+    zbv, to_1f1b, back = runs["w2"][12:15]
+    assert len(to_1f1b["loss"]) == 3 and len(back["loss"]) == STEPS - 9
+    assert rel(to_1f1b["loss"], zbv["loss"][HALF:9]) <= REL, (to_1f1b["loss"], zbv["loss"])
+    assert rel(to_1f1b["norm"], zbv["norm"][HALF:9]) <= REL
+    assert rel(back["loss"], zbv["loss"][9:]) <= REL, (back["loss"], zbv["loss"])
+    assert rel(back["norm"], zbv["norm"][9:]) <= REL
 
 
 def test_checkpoint_files_and_listing(runs, capsys):

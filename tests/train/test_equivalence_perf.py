@@ -2,8 +2,10 @@
 
 Same tiny config as test_equivalence.py; each layout's lm_loss and grad_norm at every step must
 be within 1e-5 relative of the single-process run: recompute_layer, async tp communication
-(tp=2, REDUCE_SCATTER), interleaved 1F1B (pp=2 v=2, and pp=2 tp=2), and the interleaved engine
-with everything on one rank (pp=1, v=2: tied embedding re-tied across chunks). Plus the
+(tp=2, REDUCE_SCATTER), interleaved 1F1B (pp=2 v=2, and pp=2 tp=2), the interleaved engine
+with everything on one rank (pp=1, v=2: tied embedding re-tied across chunks), and the
+zero-bubble engines (zbv at pp=2 with its tied ends on rank 0 and validation; zb-h1 at dp=2 x
+pp=2 with ZeRO-1 and recompute). Plus the
 counters: live micro-batches of interleaved 1F1B, saved-activation bytes with recompute; a
 profiler trace naming the ranges; bf16 weights with fp32 masters.
 """
@@ -159,18 +161,20 @@ def test_world2_layouts_match_reference(reference, tmp_path, val_folder):
         {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b", "v": 2, "val": val_folder},
         {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "async": True, "recompute": True},
         {"dp": 1, "tp": 1, "pp": 2, "recompute": True, "engine": "afab"},
+        # zbv: both ends of the V (embedding, tied lm_head, loss) on rank 0, evaluated too
+        {"dp": 1, "tp": 1, "pp": 2, "engine": "zbv", "val": val_folder},
         {"counters": True, "dp": 1, "tp": 1, "pp": 2, "v": 2, "m": 4},
         {"counters": True, "dp": 1, "tp": 1, "pp": 2, "v": 3, "m": 2},
         {"dp": 2, "tp": 1, "pp": 1, "recompute": True, "profile": str(tmp_path / "dp"),
          "steps": PROFILE_STEPS},
     ]  # fmt: skip
     results = run_distributed(run_perf_layouts, 2, copy.deepcopy(layouts), timeout=300)
-    check(layouts[:4], results[0][:4], reference)
+    check(layouts[:5], results[0][:5], reference)
     for rank_results in results:
-        for layout, res in zip(layouts[4:6], rank_results[4:6]):
+        for layout, res in zip(layouts[5:7], rank_results[5:7]):
             pp, v, m = layout["pp"], layout["v"], layout["m"]
             assert res["peak_live"] == expected_live(pp, v, m, res["rank"]), (layout, res)
-    profiled = results[0][6]
+    profiled = results[0][7]
     assert close(profiled["loss"], reference["loss"][:PROFILE_STEPS]) <= REL
     names = trace_names(tmp_path / "dp", rank=0)
     assert {"train.step", "dp.reduce_launch", "dp.reduce_wait"} <= names, sorted(names)[:50]
@@ -194,9 +198,11 @@ def test_world4_layouts_match_reference(reference, tmp_path, val_folder):
         {"counters": True, "dp": 1, "tp": 1, "pp": 4, "v": 2, "m": 8},
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER", "engine": "interleaved-1f1b",
          "v": 2, "async": True, "profile": str(tmp_path / "tp"), "steps": PROFILE_STEPS},
+        # zb-h1: W after B; ZeRO-1 and the tied embedding reduce after the last W
+        {"dp": 2, "tp": 1, "pp": 2, "engine": "zb-h1", "zero": 1, "recompute": True},
     ]  # fmt: skip
     results = run_distributed(run_perf_layouts, 4, copy.deepcopy(layouts), timeout=300)
-    check(layouts[:1], results[0][:1], reference)
+    check(layouts[:1] + layouts[3:], results[0][:1] + results[0][3:], reference)
     for res in (r[1] for r in results):
         assert res["peak_live"] == expected_live(4, 2, 8, res["rank"]), res
     # Interleaving trades memory for bubble: rank 0 holds 2*3 + 4 + 1 = 11 chunk-micro-batches.

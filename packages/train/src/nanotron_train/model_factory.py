@@ -56,11 +56,13 @@ def build_model(
 
 
 def build_stage_chunks(cfg: Config, pc: ParallelContext) -> list[LlamaStage]:
-    """This rank's chunks: one stage, or for an engine with virtual stages (interleaved-1f1b)
-    v chunks, chunk c being virtual stage c * pp + pp_rank of pp * v (blocks placed over all
-    of them by cost)."""
+    """This rank's chunks: one stage, or for an engine with several chunks per rank its
+    chunks in the engine's order (interleaved-1f1b: v chunks, chunk c = virtual stage
+    c * pp + pp_rank; zbv: two, virtual stages pp_rank and 2 pp - 1 - pp_rank), of pp * chunks
+    virtual stages over which the blocks are placed by cost."""
     args = (cfg.model, cfg.general.seed, cfg.tokens.sequence_length, pc)
-    if not engine(cfg.parallelism.pp_engine).uses_virtual_stages:
+    eng = engine(cfg.parallelism.pp_engine)
+    v, pp = eng.chunks(cfg.parallelism.pp_virtual_stages), pc.pp_size
+    if v == 1:
         return [build_model(*args)]
-    v, pp = cfg.parallelism.pp_virtual_stages, pc.pp_size
-    return [build_model(*args, c * pp + pc.pp_rank, pp * v) for c in range(v)]
+    return [build_model(*args, eng.stage_of(pc.pp_rank, c, pp), pp * v) for c in range(v)]

@@ -18,7 +18,8 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
 3. Compile (`model.compile`): each decoder layer compiled in place, or, with recompute on, the
    checkpointed call of each layer compiled as a whole (as TorchTitan orders them: a layer
    compiled inside the checkpoint can save its tensors in another order when recomputed).
-4. Pipeline chunks: v chunks become one `StageChunks` module (tied ends re-tied when pp = 1),
+4. Pipeline chunks: v chunks become one `StageChunks` module (tied ends re-tied when one rank
+   holds both: pp = 1, or rank 0 under zbv),
    and the tied embedding / lm_head copies of the first and last stage get their group.
 5. Data parallel / ZeRO: gradient buffers and the reduction policy of `optimizer.zero_stage`
    (`nanotron_parallel.data_parallel.build_data_parallel`; ZeRO-3 gathers the parameters of each block
@@ -41,6 +42,7 @@ from nanotron_models.chunks import StageChunks
 from nanotron_models.model import LlamaStage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.data_parallel import DataParallelGrads, build_data_parallel
+from nanotron_parallel.pipeline import engine
 from nanotron_parallel.tied import TiedParameters, tied_parameters
 from nanotron_train.config.context_parallel import cp_attention
 from nanotron_train.config.schema import Config
@@ -83,7 +85,8 @@ def parallelize(
         for chunk in chunks:
             chunk.compile_layers()
     stage: nn.Module = chunks[0] if len(chunks) == 1 else StageChunks(chunks)  # 4. pipeline
-    tied = tied_parameters(stage, pc)  # collective when pp > 1
+    ends_apart = engine(par.pp_engine).last_stage_rank(pc.pp_size, len(chunks)) != 0  # zbv: 0
+    tied = tied_parameters(stage, pc, ends_apart)  # collective when pp > 1 and ends apart
     opt = cfg.optimizer  # 5. data parallel / ZeRO
     grads = build_data_parallel(
         opt.zero_stage,

@@ -165,27 +165,27 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "parallelism.pp_engine",
         lambda c: not (_splits(c) and c.optimizer.zero_stage == 3),
-        lambda c: f"{c.parallelism.pp_engine} with optimizer.zero_stage 3: ZeRO-3 frees each "
-        "block's gathered weights after its backward, before the deferred weight gradients "
-        "(W) use them; use zero_stage 1 or 2",
+        lambda c: (
+            f"{c.parallelism.pp_engine} with optimizer.zero_stage 3: ZeRO-3 frees each "
+            "block's gathered weights after its backward, before the deferred weight gradients "
+            "(W) use them; use zero_stage 1 or 2"
+        ),
     ),
     Check(
         "parallelism.pp_engine",
         lambda c: not (_splits(c) and c.model.compile),
-        lambda c: f"{c.parallelism.pp_engine} with model.compile: the queue of deferred weight "
-        "gradients is Python state a compiled backward cannot reach; set model.compile false",
+        lambda c: (
+            f"{c.parallelism.pp_engine} with model.compile: the queue of deferred weight "
+            "gradients is Python state a compiled backward cannot reach; set model.compile false"
+        ),
     ),
     Check(
         "parallelism.pp_engine",
         lambda c: not (_splits(c) and c.parallelism.context_parallel_size > 1),
-        lambda c: f"{c.parallelism.pp_engine} with context_parallel_size > 1: the B/W split "
-        "is not verified with context parallelism yet; use 1f1b",
-    ),
-    Check(
-        "parallelism.pp_engine",
-        lambda c: c.parallelism.pp_engine != "zbv",
-        "zbv runs in nanotron_parallel.pipeline but the trainer does not build its V layout "
-        "yet (the first rank holds both ends, the loss and the tied pair); use zb-h1",
+        lambda c: (
+            f"{c.parallelism.pp_engine} with context_parallel_size > 1: the B/W split "
+            "is not verified with context parallelism yet; use 1f1b"
+        ),
     ),
     Check(
         "optimizer.zero_stage",

@@ -60,6 +60,19 @@ PERF_CHECKS: tuple[Check, ...] = (
             f"{c.model.model_config.num_hidden_layers}"
         ),
     ),
+    Check(
+        "parallelism.pp",
+        lambda c: (
+            not _engine(c).fixed_chunks
+            or c.model.model_config.num_hidden_layers >= c.parallelism.pp * _engine(c).fixed_chunks
+        ),
+        lambda c: (
+            f"{c.parallelism.pp} with pp_engine {c.parallelism.pp_engine}: its "
+            f"{_engine(c).fixed_chunks} chunks per rank make "
+            f"{c.parallelism.pp * _engine(c).fixed_chunks} virtual stages, more than "
+            f"model.model_config.num_hidden_layers={c.model.model_config.num_hidden_layers}"
+        ),
+    ),
     *(
         _profiler_row(at_least(f"profiler.{name}", 0))
         for name in ("wait", "warmup", "repeat", "skip_first")
