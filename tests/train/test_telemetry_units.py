@@ -159,6 +159,9 @@ def test_throughput_drop_against_the_running_median():
 def test_bubble_formula_and_measure():
     assert bubble_formula(4, 1, 8) == pytest.approx(3 / 11)
     assert bubble_formula(4, 2, 8) == pytest.approx(3 / 19)
+    # the zero-bubble engines' plans: B and W a slot each; zbv in half-stage slots
+    assert bubble_formula(4, 1, 8, "zb-h1") == pytest.approx(3 / 27)
+    assert bubble_formula(4, 2, 8, "zbv") == pytest.approx(3 / 51)
     spans = [
         {"stage": 0, "start_ms": 0.0, "end_ms": 2.0},
         {"stage": 0, "start_ms": 3.0, "end_ms": 4.0},
@@ -170,6 +173,15 @@ def test_bubble_formula_and_measure():
 def _span(stage, mb, kind, a, b, chunk=0):
     return {"stage": stage, "chunk": chunk, "micro_batch": mb, "kind": kind,
             "start_ms": a, "end_ms": b}  # fmt: skip
+
+
+def test_zbv_spans_are_ordered_along_the_v():
+    """zbv: rank 1 turns the V (chunk 1 = virtual stage 2), rank 0's chunk 1 is the last: in
+    order along the V, out of order read as interleaved (chunk * pp + rank)."""
+    spans = [_span(0, 0, "forward", 0, 1), _span(1, 0, "forward", 1, 2),
+             _span(1, 0, "forward", 2, 3, chunk=1), _span(0, 0, "forward", 3, 4, chunk=1)]  # fmt: skip
+    assert order_violations(spans, 2, "zbv") == 0
+    assert order_violations(spans, 2, "interleaved-1f1b") == 1
 
 
 def test_a_timeline_that_violates_send_receive_order_is_flagged_without_a_bubble():

@@ -136,7 +136,7 @@ class Telemetry:
         )
         print(
             f"pipeline timeline at step {step}: {measured}, "
-            f"{msg['bubble_formula']:.3f} by the formula (pp-1)/(v*m+pp-1) "
+            f"{msg['bubble_formula']:.3f} planned by the engine's formula "
             f"({self.engine}, pp={pp}, v={v}, m={m}, {len(gathered)} spans)",
             flush=True,
         )

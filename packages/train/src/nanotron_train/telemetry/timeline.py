@@ -9,17 +9,20 @@ it was sent to it: rank clocks that disagree) is flagged and gets no measured bu
 
 bubble_measured: per stage, 1 - (sum of its span durations) / (the step's span, from the common
 start to the last span's end on any stage), averaged over stages. bubble_formula: the idle share
-of the ideal schedule, (pp - 1) / (v * m + pp - 1) with v chunks per rank and m micro-batches
-(the same for afab and 1f1b; interleaved divides the fill by v).
+planned by the step's engine with equal costs (`PipelineEngine.planned_idle`): (pp - 1) /
+(v * m + pp - 1) with v chunks per rank and m micro-batches for afab, 1f1b and interleaved;
+(pp - 1) / (3m + pp - 1) for zb-h1 (B and W one slot each); (pp - 1) / (6m + pp - 1) for zbv.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from nanotron_parallel.pipeline import engine as pipeline_engine
 
-def bubble_formula(pp: int, v: int, m: int) -> float:
-    return (pp - 1) / (v * m + pp - 1)
+
+def bubble_formula(pp: int, v: int, m: int, engine: str = "1f1b") -> float:
+    return pipeline_engine(engine).planned_idle(pp, m, v)
 
 
 def bubble_measured(spans: list[dict], pp: int) -> float:
@@ -33,18 +36,19 @@ def bubble_measured(spans: list[dict], pp: int) -> float:
     return sum(idle) / pp
 
 
-def order_violations(spans: list[dict], pp: int) -> int:
+def order_violations(spans: list[dict], pp: int, engine: str = "1f1b") -> int:
     """Spans that start before what they receive was sent: stage s's forward of a micro-batch
     (virtual stage chunk * pp + s) before the previous virtual stage's forward of it ended,
     or its backward before the next one's backward ended. Rank clocks that started at
     different moments produce such a timeline; its bubble would be a number about nothing."""
+    stage_of = pipeline_engine(engine).stage_of  # zbv: the V, W spans receive nothing
     end: dict[tuple[str, int, int], float] = {}
     for s in spans:
         if s["kind"] in ("forward", "backward"):
-            end[(s["kind"], s["chunk"] * pp + s["stage"], s["micro_batch"])] = s["end_ms"]
+            end[(s["kind"], stage_of(s["stage"], s["chunk"], pp), s["micro_batch"])] = s["end_ms"]
     bad = 0
     for s in spans:
-        vs = s["chunk"] * pp + s["stage"]
+        vs = stage_of(s["stage"], s["chunk"], pp)
         if s["kind"] == "forward":
             before = end.get(("forward", vs - 1, s["micro_batch"]))
         elif s["kind"] == "backward":
@@ -77,7 +81,7 @@ def timeline_message(
 ) -> dict:
     """The message; a timeline that violates the send/receive order gets no measured bubble
     and says how many spans violate it (`clock.order_violations`)."""
-    bad = order_violations(spans, pp)
+    bad = order_violations(spans, pp, engine)
     return {
         "type": "pipeline_timeline",
         "step": step,
@@ -88,7 +92,7 @@ def timeline_message(
         "micro_batches": m,
         "bubble_measured": None if bad else bubble_measured(spans, pp),
         "clock": {"order_violations": bad},
-        "bubble_formula": bubble_formula(pp, v, m),
+        "bubble_formula": bubble_formula(pp, v, m, engine),
         "spans": [
             {
                 "stage": s["stage"],
