@@ -106,11 +106,11 @@ def test_pipeline_timeline_list_and_spans(c):
     one = c.get("/api/runs/tl/timelines/100").json()
     assert one["spans"] == td.one_f_one_b(2, 4) and one["schedule"] == "1f1b"
     assert one["bubble_measured"] == pytest.approx(0.2)
-    assert one["clock"] == {"order_violations": 0}  # none sent: the default
-    flagged = {**td.timeline("tl", 300), "bubble_measured": None, "clock": {"order_violations": 3}}
-    post(c, flagged)
+    assert one["clock"] == {"order_violations": 0, "offsets_ms": [], "uncertainty_ms": []}
+    clock = {"order_violations": 3, "offsets_ms": [0.0, -1.5], "uncertainty_ms": [0.0, 0.25]}
+    post(c, {**td.timeline("tl", 300), "bubble_measured": None, "clock": clock})
     got = c.get("/api/runs/tl/timelines/300").json()
-    assert got["clock"] == {"order_violations": 3} and got["bubble_measured"] is None
+    assert got["clock"] == clock and got["bubble_measured"] is None
     assert c.get("/api/runs/tl/timelines/150").status_code == 404
     post(c, {**td.timeline("tl", 100, pp=2, m=2)})  # a replay replaces the step
     assert c.get("/api/runs/tl/timelines/100").json()["micro_batches"] == 2

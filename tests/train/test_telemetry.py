@@ -85,6 +85,10 @@ def test_pipeline_timeline_spans_are_complete_and_ordered(launch):
     for m in msgs:
         assert (m["schedule"], m["pp"], m["chunks"], m["micro_batches"]) == ("1f1b", 2, 1, M)
         assert m["bubble_formula"] == pytest.approx(1 / (M + 1))
+        # the stage clocks, aligned at the barrier: rank 0's is the reference; on one host the
+        # bounds of the other's offset are what the all-gathers took (well under a second)
+        assert m["clock"]["offsets_ms"][0] == 0.0 and len(m["clock"]["offsets_ms"]) == 2
+        assert m["clock"]["uncertainty_ms"][0] == 0.0 and 0 < m["clock"]["uncertainty_ms"][1] < 1000
         if m["clock"]["order_violations"]:  # rank clocks that disagree: flagged, no bubble
             assert m["bubble_measured"] is None and "no bubble measured" in out
             continue

@@ -13,6 +13,7 @@ import torch
 from nanotron_parallel.testing import run_distributed, shared_default_group
 from nanotron_train.config import ConfigError, config_from_dict
 from nanotron_train.reporting.dashboard_client import DashboardClient
+from nanotron_train.telemetry.clock import offset_bounds, rebase, to_rank0_clock
 from nanotron_train.telemetry.events import ThroughputWatch
 from nanotron_train.telemetry.samples import MAX_SAMPLES_JSON_BYTES, fit_samples
 from nanotron_train.telemetry.stragglers import StragglerDetector
@@ -168,6 +169,26 @@ def test_bubble_formula_and_measure():
         {"stage": 1, "start_ms": 1.0, "end_ms": 3.0},
     ]
     assert bubble_measured(spans, 2) == pytest.approx(((1 - 3 / 4) + (1 - 2 / 4)) / 2)
+
+
+def test_clock_offset_is_bounded_by_the_rounds_windows():
+    """Rank r's clock runs 5 ms ahead of rank 0's; each round's windows (in each one's own
+    clock) bound the offset, and the rounds together pin it down."""
+    theta = 0.005
+    # real times of entering and leaving each round, per rank (rank 0, rank r)
+    rounds = [((0.0, 0.0030), (0.0010, 0.0031)), ((0.0100, 0.0102), (0.0099, 0.0103))]
+    w0 = [r[0] for r in rounds]
+    wr = [(a + theta, b + theta) for _, (a, b) in rounds]
+    lo, hi = offset_bounds(w0, wr)
+    assert lo <= theta <= hi and hi - lo == pytest.approx(0.0006), (lo, hi)  # round 2 binds
+    # a span of rank r at 2 ms of its clock after its origin, in rank 0's clock
+    (s,) = to_rank0_clock([{"start_ms": 2.0, "end_ms": 3.0}], origin=1.0 + theta, theta=theta)
+    assert s["start_ms"] == pytest.approx(1002.0) and s["end_ms"] == pytest.approx(1003.0)
+    spans, info = rebase(
+        [{"start_ms": 1000.5, "end_ms": 1001.0}], [(1000.0, 0.0), (999.0, 0.2)], 1000.0
+    )
+    assert spans[0]["start_ms"] == pytest.approx(0.5)  # from rank 0's origin
+    assert info == {"offsets_ms": [0.0, -1.0], "uncertainty_ms": [0.0, 0.2]}
 
 
 def _span(stage, mb, kind, a, b, chunk=0):

@@ -116,10 +116,13 @@ class Span(_Part):
 
 
 class Clock(_Part):
-    """How far the ranks' clocks can be trusted: spans that start before their input was
-    sent (then bubble_measured is null)."""
+    """How far the ranks' clocks can be trusted: per stage, its origin relative to rank 0's
+    once aligned and the uncertainty of that alignment (ms); spans that start before their
+    input was sent (then bubble_measured is null)."""
 
     order_violations: Annotated[int, Field(ge=0, le=MAX_SPANS)] = 0
+    offsets_ms: list[Finite] = Field(default_factory=list, max_length=1 << 16)
+    uncertainty_ms: list[NonNeg] = Field(default_factory=list, max_length=1 << 16)
 
 
 class PipelineTimeline(Msg):

@@ -241,7 +241,9 @@ const NTT = (() => {
     const measured = bad ? "no bubble measured: " + bad + " spans start before their input was sent (the ranks' clocks disagree)"
       : "bubble measured " + pct(t.bubble_measured);
     $("tl-bubble").textContent = measured + " · formula " + pct(t.bubble_formula) +
-      " (" + t.schedule + ", pp=" + t.pp + ", micro-batches=" + t.micro_batches + ", chunks=" + t.chunks + ")";
+      " (" + t.schedule + ", pp=" + t.pp + ", micro-batches=" + t.micro_batches + ", chunks=" + t.chunks + ")" +
+      (t.clock && t.clock.uncertainty_ms && t.clock.uncertainty_ms.length
+        ? " · rank clocks aligned to \u00b1" + NT.num(Math.max(...t.clock.uncertainty_ms), 2) + " ms" : "");
     ctx.state.gantt = { left, top, rowH, barH, scale, dpr, step: t.step, colors: Object.fromEntries(colors) };
   }
 

@@ -14,12 +14,11 @@ import time
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from nanotron_parallel.phase_timer import NO_SPAN, PhaseTimer, activate, deactivate
 from nanotron_parallel.pipeline import NO_RECORDER, TimelineRecorder, engine
 from nanotron_train.fault.errors import NonFiniteStop
-from nanotron_train.telemetry import rank_stats, timeline
+from nanotron_train.telemetry import clock, rank_stats, timeline
 from nanotron_train.telemetry.events import EventReporter, ThroughputWatch, record_events
 from nanotron_train.telemetry.stragglers import StragglerDetector, busy_ms
 from nanotron_train.telemetry.system import CpuMeter, Nvml, SystemMetrics
@@ -69,13 +68,15 @@ class Telemetry:
         return NO_SPAN if self.timer is None else self.timer.span(phase, host)
 
     def timeline_recorder(self, step: int):
-        """A recorder on the steps the timeline records (after a barrier of every rank, so
-        the stages share one time origin), NO_RECORDER otherwise."""
+        """A recorder on the steps the timeline records, NO_RECORDER otherwise. Before it,
+        every rank meets in clock.align (a barrier that also measures each rank's clock
+        against rank 0's), then notes its origin: the spans are put on one time line."""
         if not self.timeline_interval or step % self.timeline_interval:
             return NO_RECORDER
-        dist.barrier(group=self.pc.world_group)
+        self._theta, self._theta_u = clock.align(self.pc.world_group, self.pc.world_size)
         if self.pc.device.type == "cuda":
             torch.cuda.synchronize(self.pc.device)
+        self._origin = time.perf_counter()
         self._recorder = TimelineRecorder(self.pc.device)
         return self._recorder
 
@@ -121,11 +122,15 @@ class Telemetry:
             )
 
     def _send_timeline(self, step: int, spans: list[dict]) -> None:
+        spans = clock.to_rank0_clock(spans, self._origin, self._theta)
+        stage_clocks = clock.gather_stage_clocks(self.pc, self._origin, self._theta, self._theta_u)
         gathered = timeline.gather_spans(spans, self.pc)
         if gathered is None:
             return
+        gathered, aligned = clock.rebase(gathered, stage_clocks, self._origin * 1000.0)
         pp, v, m = self.pc.pp_size, self.chunks, self.micro_batches
         msg = timeline.timeline_message(step, time.time(), self.engine, pp, v, m, gathered)
+        msg["clock"].update(aligned)
         self.last_timeline = msg
         bad = msg["clock"]["order_violations"]
         measured = (
