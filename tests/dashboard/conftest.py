@@ -74,8 +74,17 @@ def db_url(request, tmp_path):
 
 @pytest.fixture(scope="session")
 def live_pg_dashboard(tmp_path_factory, pg_server):
-    """The live dashboard's twin on PostgreSQL (uvicorn, --allow-launch)."""
-    d = start_dashboard(pg_server.fresh_database(), "--allow-launch")
+    """The live dashboard's twin on PostgreSQL (uvicorn, --allow-launch); its launch logs
+    (under $XDG_CACHE_HOME for a database URL) in a temporary folder."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        d = start_dashboard(pg_server.fresh_database(), "--allow-launch")
+    finally:
+        if before is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
     yield d
     d.stop()
 

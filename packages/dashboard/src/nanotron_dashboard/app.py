@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -64,9 +65,13 @@ class Settings:
 
 def launch_log_dir(db: str) -> Path:
     """Where Resume's launches write their logs: beside an SQLite file; for a PostgreSQL
-    database, in the server's working directory, named after the database."""
+    database, under the user's cache folder ($XDG_CACHE_HOME or ~/.cache), named after the
+    server and the database."""
     if is_url(db):
-        return Path(f"nanotron-dashboard-{pg_url(db).database or 'postgres'}.launches")
+        url = pg_url(db)
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        name = f"{url.host or 'local'}-{url.port or 5432}-{url.database or 'postgres'}"
+        return cache / "nanotron-dashboard" / (name + ".launches")
     return Path(str(db) + ".launches")
 
 
