@@ -20,7 +20,7 @@ import statistics
 from collections import deque
 
 # a healthy run's gradient norm stays under this multiple of its recent median (see the bench)
-GRAD_NORM_MIN_RATIO = 2.5
+GRAD_NORM_MIN_RATIO = 3.0
 
 
 class LossSpikeDetector:
