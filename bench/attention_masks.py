@@ -9,7 +9,8 @@ one process (PyTorch has no flex backward on the CPU: there flex is timed forwar
    causal path): the reference.
 2. documents, flex: `nanotron_models.masks` with the document mask through compiled flex
    attention, which skips the 128x128 blocks the mask empties (a packed batch of documents of
-   length l keeps about l/S of the causal blocks). Its compile is not timed.
+   length l keeps about l/S of the causal blocks), on a block mask built once (its build
+   time is printed apart). Its compile is not timed.
 3. documents, sdpa: the same mask as an explicit boolean mask through SDPA (what the CPU path
    of training runs): it computes every score and masks them, so it saves nothing.
 
@@ -82,21 +83,29 @@ def main() -> None:
     index = torch.arange(seq, device=device)
     inputs = _inputs(seq, args.batch, device, dtype)
     backend = "sdpa" if device.type == "cpu" else "auto"
-    rows = {
-        "causal": lambda q, k, v: attention(q, k, v, backend),
-        "documents, flex": lambda q, k, v: masked_attention(q, k, v, index, index, mask, "flex"),
-        "documents, sdpa": lambda q, k, v: masked_attention(q, k, v, index, index, mask, "sdpa"),
-    }
-    _compiled_flex()  # compile outside the timing (the warm-up runs trigger it)
     from torch.nn.attention.flex_attention import create_block_mask
 
+    start = time.perf_counter()
     block = create_block_mask(
         mask.mask_mod(index, index), args.batch, None, seq, seq, device=device
     )
+    build_ms = (time.perf_counter() - start) * 1e3
+    flex = _compiled_flex()
+
+    def flex_kernel(q, k, v):  # the kernel alone, on the block mask built above
+        qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        return flex(qb, kb, vb, block_mask=block, enable_gqa=True).permute(2, 0, 1, 3)
+
+    rows = {
+        "causal": lambda q, k, v: attention(q, k, v, backend),
+        "documents, flex": flex_kernel,
+        "documents, sdpa": lambda q, k, v: masked_attention(q, k, v, index, index, mask, "sdpa"),
+    }
     print(
         f"device {device.type}, {dtype}, seq {seq}, batch {args.batch}, documents of "
         f"{args.doc_len} tokens, {HEADS} heads / {KV_HEADS} kv heads of {HEAD_DIM}; "
-        f"flex block mask keeps {1 - block.sparsity() / 100:.3f} of its blocks"
+        f"flex block mask keeps {1 - block.sparsity() / 100:.3f} of its blocks, built in "
+        f"{build_ms:.0f} ms (once per micro-batch and mask in training; not timed below)"
     )
     # PyTorch has no flex backward on the CPU: there flex is compared on the forward alone.
     for label, backward in (("forward", False), ("forward+backward", True)):

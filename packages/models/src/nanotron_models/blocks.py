@@ -29,7 +29,14 @@ from nanotron_parallel.tensor_parallel.weight_grad import defer, splitting
 from .attention import attention, resolve_backend
 from .config import LlamaConfig
 from .kv_cache import KVCache
-from .masks import DOCUMENT_IDS_KEY, AttentionMask, document_ids, index_kernel, masked_attention
+from .masks import (
+    DOCUMENT_IDS_KEY,
+    AttentionMask,
+    document_ids,
+    index_kernel,
+    masked_attention,
+    shared_mask,
+)
 from .rotary import RotaryTable, apply_rotary, rotate_qkv
 
 Batch = dict[str, torch.Tensor]
@@ -165,7 +172,7 @@ class Attention(nn.Module):
         docs = doc_ids if self.document_masking and not decoding else None
         if docs is None and self.window is None:
             return None
-        return AttentionMask(docs, self.window)
+        return shared_mask(docs, self.window)
 
     def forward(
         self,
@@ -192,7 +199,9 @@ class Attention(nn.Module):
         elif mask is not None:
             s_k = k.shape[0]
             k_index = torch.arange(s_k, device=x.device)
-            out = masked_attention(q, k, v, k_index[s_k - s :], k_index, mask, backend, key_mask)
+            q_index = k_index[s_k - s :]
+            whole = kv_cache is None
+            out = masked_attention(q, k, v, q_index, k_index, mask, backend, key_mask, whole)
         else:
             out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
         return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))

@@ -25,7 +25,8 @@ runs SDPA with the explicit boolean mask. Both give the same values
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ class AttentionMask:
 
     document_ids: torch.Tensor | None = None
     window: int | None = None
+    # flex block masks of the whole sequence (q and k indices 0..S-1), by (s, device):
+    # built once per micro-batch and mask, shared by the layers (`shared_mask`)
+    blocks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __call__(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """`mask_fn(q_index, k_index)`: True where query i may see key j, shape
@@ -78,6 +82,24 @@ class AttentionMask:
         return mod
 
 
+_SHARED: dict = {}  # window -> (weak reference to the document ids, AttentionMask)
+
+
+def shared_mask(doc_ids: torch.Tensor | None, window: int | None) -> AttentionMask:
+    """The mask of `window` over these document ids, one object per micro-batch: the layers of
+    a forward (and its recomputation) share it and its flex block mask."""
+    hit = _SHARED.get(window)
+    if hit is not None and hit[0]() is doc_ids:
+        return hit[1]
+    mask = AttentionMask(doc_ids, window)
+    _SHARED[window] = (weakref.ref(doc_ids) if doc_ids is not None else _none, mask)
+    return mask
+
+
+def _none() -> None:
+    return None
+
+
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,15 +109,18 @@ def masked_attention(
     mask: AttentionMask,
     backend: str = "sdpa",
     key_mask: torch.Tensor | None = None,
+    whole: bool = False,
 ) -> torch.Tensor:
     """Attention of q [s_q, b, h, d] on k, v [s_k, b, kv, d] (sequence-first, GQA) under
     `mask` at the given global indices; `key_mask` [b, s_k] (True = a real token) hides
-    decoding's left padding. Returns [s_q, b, h, d]."""
+    decoding's left padding; `whole`: the indices are 0..S-1 for both (the flex block mask is
+    then kept on the mask for the other layers). Returns [s_q, b, h, d]."""
     if backend == "flex" and key_mask is None:
         if q.device.type == "cuda":
-            return _flex(q, k, v, q_index, k_index, mask)
+            return _flex(q, k, v, q_index, k_index, mask, whole=whole)
         if not _grad(q, k, v):  # the CPU's flex checks requires_grad even under no_grad
-            return _flex(q.detach(), k.detach(), v.detach(), q_index, k_index, mask)
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+            return _flex(qd, kd, vd, q_index, k_index, mask, whole=whole)
     allowed = mask(q_index, k_index)
     if key_mask is not None:  # padding rows still see themselves: finite, unused outputs
         diagonal = (q_index[:, None] == k_index[None, :])[None, None]
@@ -110,16 +135,23 @@ def _grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _flex(q, k, v, q_index, k_index, mask: AttentionMask, compiled: bool = True) -> torch.Tensor:
+def _flex(
+    q, k, v, q_index, k_index, mask: AttentionMask, compiled: bool = True, whole: bool = False
+) -> torch.Tensor:
     """flex attention with the block mask of `mask` (`compiled=False`: PyTorch's unfused
     reference, which materialises the scores; for tests)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     b, s_q, s_k = q.shape[1], q.shape[0], k.shape[0]
     batch = b if mask.document_ids is not None else None
-    block = create_block_mask(
-        mask.mask_mod(q_index, k_index), batch, None, s_q, s_k, device=q.device
-    )
+    key = (s_q, s_k, q.device)
+    block = mask.blocks.get(key) if whole else None
+    if block is None:
+        block = create_block_mask(
+            mask.mask_mod(q_index, k_index), batch, None, s_q, s_k, device=q.device
+        )
+        if whole:
+            mask.blocks[key] = block
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     gqa = qb.shape[1] != kb.shape[1]
     kernel = _compiled_flex() if compiled else flex_attention
