@@ -54,6 +54,15 @@ def test_a_previous_release_database_upgrades_in_place(db_url):
         assert s.get("/api/runs/old").json()["step"] == big
 
 
+def test_a_nul_in_a_run_end_error_is_stored_on_both(db_url):
+    with TestClient(create_app(Settings(db=db_url)), base_url=LOCAL, headers=JSON_HEADERS) as s:
+        post(s, {"type": "run_start", "run_id": "nul"})
+        end = {"type": "run_end", "run_id": "nul", "status": "failed", "error": "bad\x00byte"}
+        post(s, end)
+        run = s.get("/api/runs/nul").json()
+    assert run["status"] == "failed" and run["error"] == "bad\ufffdbyte"
+
+
 def test_one_server_per_database(db_url):
     lock = lock_database(db_url)
     try:

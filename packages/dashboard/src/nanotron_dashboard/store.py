@@ -160,6 +160,10 @@ def add_attempt(conn: Connection, pk: int, attempt: str, started: float) -> bool
 def end_run(
     conn: Connection, pk: int, status: str, error: str | None, t: float | None, now: float
 ) -> None:
+    """The run's end. A NUL in the error text (a traceback may hold one) becomes U+FFFD:
+    PostgreSQL's text cannot hold it, and both backends store the same."""
+    if error is not None:
+        error = error.replace("\x00", "\ufffd")
     conn.execute(
         text(
             "UPDATE runs SET status=:s, error=:e, finished=:t, updated=:now, "
