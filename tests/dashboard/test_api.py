@@ -71,6 +71,7 @@ def test_run_list_filters_and_last_values(client):
     assert [r["id"] for r in client.get("/api/runs?project=p1").json()] == ["a"]
     assert [r["id"] for r in client.get("/api/runs?status=failed").json()] == ["b"]
     assert [r["id"] for r in client.get("/api/runs?name=oth").json()] == ["b"]
+    assert [r["id"] for r in client.get("/api/runs?name=OTH").json()] == ["b"]  # either case
     run = client.get("/api/runs/b").json()
     assert run["error"] == "<oom>" and run["config"] == {"a": 1} and run["command"] == CMD
     assert client.get("/api/runs/nope").status_code == 404

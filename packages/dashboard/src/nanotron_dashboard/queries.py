@@ -95,7 +95,7 @@ def _run_filters(
         where.append("project = :project")
         params["project"] = project
     if name:
-        where.append("name LIKE :name ESCAPE '\\'")
+        where.append("LOWER(name) LIKE LOWER(:name) ESCAPE '\\'")  # case-blind on both backends
         params["name"] = (
             "%" + name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         )
