@@ -95,3 +95,18 @@ def test_flex_masks_windows_and_llama_document_masking():
     llama["model"]["model_config"]["_use_doc_masking"] = True
     cfg = config_from_dict(llama, "l.yaml", world_size=8).model.model_config
     assert isinstance(cfg, LlamaConfig) and cfg.document_masking
+
+
+def test_dashboard_run_start_carries_the_family_and_its_options():
+    """The run's config view shows what run_start carries: the dashboard's message model takes
+    a Qwen2 config whole, family marker and attention options included."""
+    from nanotron_dashboard.messages import RunStart
+
+    data = _example()
+    data["model"]["model_config"].update(sliding_window_size=64, no_rope_layer=4)
+    cfg = config_from_dict(data, "q.yaml", world_size=4)
+    sent = RunStart(type="run_start", run_id="r", config=cfg.to_dict()).config
+    mc = sent["model"]["model_config"]
+    assert (mc["is_qwen2_config"], mc["_use_doc_masking"]) == (True, True)
+    assert (mc["sliding_window_size"], mc["no_rope_layer"]) == (64, 4)
+    assert sorted(mc) == sorted(f.name for f in dataclasses.fields(Qwen2Config))
