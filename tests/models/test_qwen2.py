@@ -135,10 +135,19 @@ def _packed(lengths: list[int], vocab: int, seed: int):
     }
 
 
-def test_packed_loss_is_token_weighted_loss_of_each_document_alone(pc1):
-    """Document masking + window + NoPE: the packed loss and gradients equal those of each
-    document run alone, weighted by its labelled tokens (1e-5). Without the mask they differ."""
-    config = qwen2_config(no_rope_layer=2, _use_doc_masking=True)
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_packed_loss_is_token_weighted_loss_of_each_document_alone(pc1, family):
+    """Document masking (+ window + NoPE for Qwen2; Llama's key alone): the packed loss and
+    gradients equal those of each document run alone, weighted by its labelled tokens (1e-5).
+    Without the mask they differ."""
+    from models_helpers import tiny_config
+
+    if family == "qwen2":
+        config = qwen2_config(no_rope_layer=2, _use_doc_masking=True)
+        unmasked = qwen2_config(no_rope_layer=2)
+    else:
+        config = tiny_config(_use_doc_masking=True)
+        unmasked = tiny_config()
     lengths = [7, 3, 9, 5]
     batch = _packed(lengths, config.vocab_size, seed=3)
     model = build_llama(config, pc1, seed=4)
@@ -159,7 +168,7 @@ def test_packed_loss_is_token_weighted_loss_of_each_document_alone(pc1):
     assert float(packed) == pytest.approx(total, rel=1e-5)
     for name, p in model.named_parameters():
         assert rel_err(p.grad, packed_grads[name]) < 1e-5, name
-    crossing = build_llama(qwen2_config(no_rope_layer=2), pc1, seed=4)
+    crossing = build_llama(unmasked, pc1, seed=4)
     assert abs(float(crossing(None, batch)) - total) > 1e-3
 
 
