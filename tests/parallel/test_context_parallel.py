@@ -110,31 +110,41 @@ ATTENTION_RUNS = [
 ]  # fmt: skip
 
 
-def attention_worker() -> list[dict]:
-    """This rank's outputs and gradients for every (method, mask case, native reduce-scatter)."""
+def attention_worker() -> dict:
+    """This rank's outputs and gradients for every (method, mask case, native reduce-scatter),
+    and the saved-activation bytes of `saved_bytes` (one launch for both tests)."""
     from nanotron_parallel.context import ParallelContext
     from nanotron_parallel.context_parallel import context_parallel_attention
 
     torch.set_num_threads(1)
-    pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
-    runs = []
-    try:
-        for method, case, native in ATTENTION_RUNS:
-            q, k, v, grad_out = _full_inputs(SEQ, HEADS, KV_HEADS)
-            mine = [
-                split_sequence(t, 0, pc.cp_rank, pc.cp_size).requires_grad_() for t in (q, k, v)
-            ]
-            out = context_parallel_attention(
-                *mine, pc.cp_group, _kernel(case), native, method=method, mask_fn=_mask_fn(case)
-            )
-            out.backward(split_sequence(grad_out, 0, pc.cp_rank, pc.cp_size))
-            runs.append({"out": out.detach(), "grads": [t.grad for t in mine]})
-        return runs
-    finally:
-        pc.destroy()
+    with shared_default_group():  # one default group for every context
+        pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
+        runs = []
+        try:
+            for method, case, native in ATTENTION_RUNS:
+                q, k, v, grad_out = _full_inputs(SEQ, HEADS, KV_HEADS)
+                mine = [
+                    split_sequence(t, 0, pc.cp_rank, pc.cp_size).requires_grad_() for t in (q, k, v)
+                ]
+                out = context_parallel_attention(
+                    *mine, pc.cp_group, _kernel(case), native, method=method,
+                    mask_fn=_mask_fn(case),
+                )  # fmt: skip
+                out.backward(split_sequence(grad_out, 0, pc.cp_rank, pc.cp_size))
+                runs.append({"out": out.detach(), "grads": [t.grad for t in mine]})
+            attention_saved = {m: attention_saved_bytes(pc, m) for m in ("allgather", "ring")}
+        finally:
+            pc.destroy()
+        model = {m: model_saved_bytes(256, m) for m in ("allgather", "ring", "ulysses")}
+    return {"runs": runs, "attention_saved": attention_saved, "model_saved": model}
 
 
-def test_attentions_match_full_attention() -> None:
+@pytest.fixture(scope="module")
+def cp4_results() -> list[dict]:
+    return run_distributed(attention_worker, 4, timeout=180)
+
+
+def test_attentions_match_full_attention(cp4_results) -> None:
     """At cp=4: all-gather (gloo's and NCCL's reduce-scatter), ring and Ulysses attention give
     the values and q/k/v gradients of one process's full attention (fp64, 8 query heads on 2
     kv heads: Ulysses repeats each kv head), causal, with documents crossing the chunk
@@ -142,7 +152,7 @@ def test_attentions_match_full_attention() -> None:
     Ulysses equal the all-gather within 1e-6 (they agree to ~1e-15)."""
     from nanotron_parallel.context_parallel import reference_attention
 
-    results = run_distributed(attention_worker, 4, timeout=120)
+    results = [r["runs"] for r in cp4_results]
     q, k, v, grad_out = _full_inputs(SEQ, HEADS, KV_HEADS)
     index = torch.arange(SEQ)
     refs = {}
@@ -167,7 +177,7 @@ def test_attentions_match_full_attention() -> None:
                 assert (got - want).abs().max() <= 1e-6
 
 
-def model_saved_bytes(seq: int) -> int:
+def model_saved_bytes(seq: int, method: str = "allgather") -> int:
     """Bytes a small Llama's forward saves for backward on this rank (cp = world size)."""
     from nanotron_models.config import LlamaConfig
     from nanotron_models.model import build_llama
@@ -181,7 +191,7 @@ def model_saved_bytes(seq: int) -> int:
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=seq,
         )  # fmt: skip
         stage = build_llama(config, pc, seed=1)
-        stage.set_context_parallel(pc.cp_group, pc.cp_size)
+        stage.set_context_parallel(pc.cp_group, pc.cp_size, None, method)
         ids = torch.randint(0, 128, (1, seq + 1), generator=torch.Generator().manual_seed(2))
         batch = {"input_ids": ids[:, :-1], "label_ids": ids[:, 1:]}
         batch["label_mask"] = torch.ones(1, seq, dtype=torch.bool)
@@ -192,10 +202,9 @@ def model_saved_bytes(seq: int) -> int:
         pc.destroy()
 
 
-def saved_bytes_worker(seq: int) -> dict:
-    """Bytes autograd keeps for the context-parallel attention of this rank, and for a small
-    model's forward (`model_saved_bytes`)."""
-    from nanotron_parallel.context import ParallelContext
+def attention_saved_bytes(pc, method: str) -> dict:
+    """Bytes autograd keeps for this rank's cp attention (fp64, causal), and the bytes of its
+    local q, k, v and of its output with its log-sum-exp."""
     from nanotron_parallel.context_parallel import context_parallel_attention
 
     saved: list[int] = []
@@ -204,32 +213,33 @@ def saved_bytes_worker(seq: int) -> dict:
         saved.append(t.numel() * t.element_size())
         return t
 
-    with shared_default_group():  # one default group for both contexts
-        pc = ParallelContext(cp=int(os.environ["WORLD_SIZE"]))
-        try:
-            q, k, v, _ = _full_inputs(seq, 4, 2)
-            mine = [split_sequence(t, 0, pc.cp_rank, pc.cp_size) for t in (q, k, v)]
-            mine = [t.requires_grad_() for t in mine]
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                context_parallel_attention(*mine, pc.cp_group, _sdpa_kernel)
-            attention = {"saved": sum(saved), "local_qkv": sum(t.numel() * 8 for t in mine)}
-        finally:
-            pc.destroy()
-        return {**attention, "model": model_saved_bytes(256)}
+    q, k, v, _ = _full_inputs(SEQ, HEADS, KV_HEADS)
+    mine = [split_sequence(t, 0, pc.cp_rank, pc.cp_size).requires_grad_() for t in (q, k, v)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = context_parallel_attention(*mine, pc.cp_group, _sdpa_kernel, method=method)
+    lse = out.shape[0] * out.shape[1] * out.shape[2] * 8  # [b, h, 2C] fp64
+    return {
+        "saved": sum(saved),
+        "local_qkv": sum(t.numel() * 8 for t in mine),
+        "out_lse": out.numel() * 8 + lse,
+    }
 
 
-def test_saved_activations_scale_as_one_over_cp(monkeypatch) -> None:
-    """The attention keeps this rank's q, k, v and nothing of the gathered K/V; the whole
-    model's saved activations per rank at cp=2 are at most 1/2 + 10% of cp=1's
-    (bench/cp_memory.py prints the same measure at cp=2 and 4 on a longer sequence)."""
+def test_saved_activations_scale_as_one_over_cp(monkeypatch, cp4_results) -> None:
+    """The all-gather keeps this rank's q, k, v and nothing of the gathered K/V, the ring
+    those and its output with its log-sum-exp; the whole model's saved activations per rank
+    at cp=4 are at most 1/4 + 10% of cp=1's with each choice (bench/cp_memory.py prints the
+    same measure at cp=2 and 4 on a longer sequence)."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     one = model_saved_bytes(256)
-    results = run_distributed(saved_bytes_worker, 2, 16, timeout=120)
-    for res in results:
-        assert res["saved"] == res["local_qkv"] > 0
-    two = max(res["model"] for res in results)
-    assert 0 < two <= (0.5 + 0.1) * one, (two, one)
+    for res in cp4_results:
+        gather, ring = res["attention_saved"]["allgather"], res["attention_saved"]["ring"]
+        assert gather["saved"] == gather["local_qkv"] > 0
+        assert ring["saved"] == ring["local_qkv"] + ring["out_lse"]
+    for method in ("allgather", "ring", "ulysses"):
+        four = max(res["model_saved"][method] for res in cp4_results)
+        assert 0 < four <= (0.25 + 0.1) * one, (method, four, one)
 
 
 def test_inference_refuses_a_context_parallel_model(monkeypatch) -> None:

@@ -53,7 +53,9 @@ def train_with_checkpoints(layout: dict, save_to: str | None, resume: str | None
         )
         try:
             records: list[dict] = []
-            Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
+            trainer = Trainer(cfg, pc, stream=io.StringIO())
+            trainer.train(on_record=records.append)
+            tied_ok = trainer.tied.copies_equal()
         finally:
             dist.barrier()
             pc.destroy()
@@ -61,6 +63,8 @@ def train_with_checkpoints(layout: dict, save_to: str | None, resume: str | None
         "steps": [r["step"] for r in records],
         "loss": [r["lm_loss"] for r in records],
         "norm": [r["grad_norm"] for r in records],
+        "val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],
+        "tied_ok": tied_ok,
     }
 
 
@@ -69,16 +73,48 @@ def cp_world2(folder: str, cp1_checkpoint: str, save_to: str) -> dict:
     validation), the ring with ZeRO-1 (sharded over the 2 cp ranks) saving checkpoints, and
     Ulysses resumed from a checkpoint saved at cp=1."""
     cp2 = {"dp": 1, "tp": 1, "pp": 1, "cp": 2}
-    with shared_default_group():  # one default group for the three runs
+    with shared_default_group():  # one default group for the runs
         return {
             "matrix": run_layouts(with_val([cp2], folder)),
             "saving": train_with_checkpoints({**cp2, "zero": 1, **_RING}, save_to, None),
             "resumed": train_with_checkpoints({**cp2, **_ULYSSES}, None, cp1_checkpoint),
+            "masked": masked_qwen2([(2, c) for c in ("allgather", "ring", "ulysses")]),
         }
 
 
 _RING = {"par": {"cp_attention": "ring"}}
 _ULYSSES = {"par": {"cp_attention": "ulysses"}}
+
+
+def masked_qwen2(runs: list[tuple[int, str]]) -> list[dict]:
+    """Qwen2 with document masking, a sliding window of 6 and a NoPE layer on packed synthetic
+    documents (test_qwen2_train's config: seq 32, 3 steps), once per (cp, cp_attention): at
+    cp=2 the chunks are 8 tokens, so documents and windows cross the cp split."""
+    import torch.distributed as dist
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.trainer import Trainer
+    from tests.train.test_qwen2_train import masked_config
+
+    torch.set_num_threads(1)
+    out = []
+    with shared_default_group():
+        for cp, choice in runs:
+            raw = masked_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"})
+            raw["parallelism"].update(context_parallel_size=cp, cp_attention=choice)
+            cfg = config_from_dict(raw, "q", world_size=None)
+            pc = ParallelContext(cp=cp)
+            try:
+                records: list[dict] = []
+                Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
+            finally:
+                dist.barrier()
+                pc.destroy()
+            out.append(
+                {"loss": [r["lm_loss"] for r in records], "norm": [r["grad_norm"] for r in records]}
+            )
+    return out
 
 
 # Each cp attention at cp=4 and with tp (both modes), pp and dp x ZeRO-1; the all-gather
@@ -110,14 +146,13 @@ def folders(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(folders) -> dict:
-    """The single-process runs (in this process): tied, with validation and with checkpoints;
-    untied, with validation."""
+    """The single-process runs (in this process): tied, with validation and checkpoints;
+    untied, with validation; masked Qwen2 (`masked_qwen2`)."""
     cp1 = {"dp": 1, "tp": 1, "pp": 1}
-    ref = run_layouts(with_val([cp1], folders["val"]))[0]
-    saving = train_with_checkpoints(cp1, folders["cp1"], None)
-    assert close(saving["loss"], ref["loss"]) == 0.0  # saving changes nothing
+    ref = train_with_checkpoints({**cp1, "val": folders["val"]}, folders["cp1"], None)
     untied = run_layouts(with_val([{**cp1, "tied": False}], folders["val"]))[0]
-    return {"tied": ref, "untied": untied}
+    masked = masked_qwen2([(1, "allgather")])[0]
+    return {"tied": ref, "untied": untied, "masked": masked}
 
 
 def test_cp2_matches_one_process_and_resumes_across_cp(folders, reference):
@@ -130,6 +165,13 @@ def test_cp2_matches_one_process_and_resumes_across_cp(folders, reference):
     # The ring, with ZeRO-1 over the cp ranks and saving checkpoints, trains the same model.
     assert close(out["saving"]["loss"], ref["loss"]) <= REL
     assert close(out["saving"]["norm"], ref["norm"]) <= REL
+    # Document masks and a sliding window under each choice: global positions decide, not
+    # the split.
+    masked = reference["masked"]
+    assert len(masked["loss"]) == 3
+    for res in out["masked"]:
+        assert close(res["loss"], masked["loss"]) <= REL, (res, masked)
+        assert close(res["norm"], masked["norm"]) <= REL, (res, masked)
     # Saved at cp=1, resumed at cp=2 (Ulysses): the steps after it equal the uninterrupted
     # cp=1 run.
     resumed = out["resumed"]

@@ -65,14 +65,6 @@ def test_config_qwen_with_moe_is_refused_at_moe_config():
     assert "mixture-of-experts" in text
 
 
-def test_qwen2_with_context_parallel_and_masks_is_refused_in_one_line():
-    data = _sized(yaml.safe_load(QWEN.read_text()))
-    data["parallelism"].update(dp=1, tp=1, context_parallel_size=2)
-    with pytest.raises(ConfigError) as err:
-        config_from_dict(data, "q.yaml", world_size=2)
-    assert str(err.value).startswith("q.yaml: parallelism.context_parallel_size: > 1 with document")
-
-
 def _sized(data: dict) -> dict:
     data["model"]["model_config"].update(SIZES)
     data["tokens"].update(sequence_length=64, micro_batch_size=2, train_steps=STEPS)

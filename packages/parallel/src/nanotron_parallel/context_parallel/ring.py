@@ -78,7 +78,7 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         c, seq = q.shape[0] // 2, q.shape[0] * cp
         q_pos = local_positions(seq, rank, cp, q.device)
-        kv, out, lse = [k, v], None, None
+        kv, out, lse = [k.contiguous(), v.contiguous()], None, None  # p2p sends whole buffers
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
                 works, arriving = _exchange(kv, group, _KV_TAG)
@@ -108,7 +108,7 @@ class _RingAttention(torch.autograd.Function):
         grad4, out4 = grad.permute(1, 2, 0, 3), out.permute(1, 2, 0, 3)
         wide = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)
-        kv, grad_works, dkv = [k, v], [], []
+        kv, grad_works, dkv = [k.contiguous(), v.contiguous()], [], []
         for step in range(cp):
             if step < cp - 1:
                 kv_works, arriving = _exchange(kv, group, _KV_TAG)

@@ -43,12 +43,6 @@ def _model_key(cfg: Config) -> str:
     return "model." + field if field.startswith("model_config") else "model"
 
 
-def _masked(mc) -> bool:
-    """Whether any attention layer of the model masks more than causally."""
-    windows = (mc.sliding_window(i) for i in range(mc.num_hidden_layers))
-    return mc.document_masking or any(w is not None for w in windows)
-
-
 def _regex_error(patterns: list[str] | None) -> str | None:
     for pattern in patterns or []:
         try:
@@ -105,12 +99,6 @@ CHECKS: tuple[Check, ...] = (
     ),
     # model
     Check(_model_key, lambda c: _model_config_error(c) is None, _model_config_error),
-    Check(
-        "parallelism.context_parallel_size",
-        lambda c: c.parallelism.context_parallel_size == 1 or not _masked(c.model.model_config),
-        "> 1 with document masking or a sliding window: context parallel does not apply "
-        "those masks yet; use context_parallel_size 1",
-    ),
     Check(
         "parallelism.pp",
         lambda c: c.parallelism.pp <= c.model.model_config.num_hidden_layers,
