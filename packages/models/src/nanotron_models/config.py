@@ -15,8 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # flex: torch flex_attention (compiled; block-sparse masks), see masks.py.
 ATTN_BACKENDS = ("auto", "sdpa", "flash_attn", "flex")
 # Nanotron's `_attn_implementation` values -> our backends; the others are refused.
-# llama3_ring_attention is Nanotron's context-parallel attention: an all-gather of keys and
-# values as in the Llama 3 paper over flash-attn, which is what context parallel does here.
+# llama3_ring_attention is Nanotron's context-parallel attention over flash-attn; with
+# parallelism.cp_attention null it selects the ring here (nanotron_train.config.context_parallel).
 NANOTRON_ATTENTION = {
     "flash_attention_2": "flash_attn",
     "llama3_ring_attention": "flash_attn",
@@ -314,8 +314,8 @@ LLAMA_CHECKS: tuple[ModelCheck, ...] = (
         lambda c, tp: (
             f"{_MC}._attn_implementation {c._attn_implementation!r} asks for an "
             "attention kernel this project does not have: use flash_attention_2, sdpa, "
-            "null, or llama3_ring_attention (the context-parallel attention here, Llama 3's "
-            "all-gather of keys and values; ring and flex attention are not implemented)"
+            "null, or llama3_ring_attention (flash-attn, and the ring attention under "
+            "context parallel; flex attention is attn_backend: flex)"
         ),
     ),
     ModelCheck(
