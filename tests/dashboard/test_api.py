@@ -167,7 +167,15 @@ def test_downsampling_keeps_extremes_first_and_last(client):
     assert all(0 <= x < 60 for x in tm["x"])
 
 
-def test_smoothing_does_not_depend_on_points_drawn(client):
+def test_smoothing_does_not_depend_on_points_drawn(tmp_path):
+    """SQLite only: the smoothing is numpy's on a loaded series, read as the downsampling
+    test reads it on both backends."""
+    app = create_app(Settings(db=str(tmp_path / "runs.db"), stall_seconds=60))
+    with TestClient(app, base_url=LOCAL, headers=JSON_HEADERS) as client:
+        smoothing_does_not_depend_on_points_drawn(client)
+
+
+def smoothing_does_not_depend_on_points_drawn(client):
     start(client)
     ys = [math.sin(s / 50) + (s % 7) * 0.1 for s in range(3000)]
     points(client, "r1", range(3000), lambda s: {"lm_loss": ys[s]})
