@@ -31,7 +31,7 @@ from collections import deque
 
 HISTORY = 30  # intervals of each rank's baseline
 MIN_HISTORY = 4  # intervals before a rank's own baseline and the pooled sigma are used
-NOISE_SIGMAS = 3.0
+NOISE_SIGMAS = 2.5
 
 
 def busy_ms(entry: dict) -> float:
