@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from nanotron_parallel.data_parallel import OwnedPiece
+from nanotron_train.blocked_adamw import blocked_adamw_step, supports_blocked
 from nanotron_train.interop.nanotron_names import excluded_from_weight_decay
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")  # the per-element state checkpoints store
@@ -98,16 +100,20 @@ class AdamWOnPieces:
             {"params": no_decay, "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]
-        # foreach (a few fused-over-tensors kernels) is bitwise the loop's result and faster;
-        # fused (torch_adam_is_fused) is faster still but rounds differently (~1e-7).
-        kwargs = {"fused": True} if fused else {"foreach": True}
+        # fused (torch_adam_is_fused) rounds differently (~1e-7). Otherwise: on GPUs foreach
+        # (a few kernels over all tensors, bitwise the per-tensor loop's result); on the CPU
+        # the loop's arithmetic run block by block in cache (blocked_adamw.py).
+        on_cpu = all(pc.master.device.type == "cpu" for pc in pieces)
+        kwargs = {"fused": True} if fused else {"foreach": name != "sgd" and not on_cpu}
+        self._foreach, self.blocked = kwargs.get("foreach"), False
         if not any(g["params"] for g in groups):
             # A rank that owns nothing (tiny model, large dp) still runs the same steps.
             self.inner = None
         elif name == "sgd":
-            self.inner = torch.optim.SGD(groups, lr=lr, foreach=False)
+            self.inner = torch.optim.SGD(groups, lr=lr, **kwargs)
         else:
             self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+            self.blocked = supports_blocked(self.inner)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -117,7 +123,11 @@ class AdamWOnPieces:
         if self.inner is not None:
             for group in self.inner.param_groups:
                 group["lr"] = lr
-            self.inner.step()
+            if self.blocked:  # named as torch names its step, for profiles
+                with record_function("Optimizer.step#AdamW.step"):
+                    blocked_adamw_step(self.inner)
+            else:
+                self.inner.step()
         for pc in self.pieces:
             pc.master.grad = None
             if pc.is_copy:
@@ -159,6 +169,8 @@ class AdamWOnPieces:
             raise OptimizerConfigError("optimizer state does not match this layout's parameters")
         if self.inner is not None and state["inner"] is not None:
             self.inner.load_state_dict(state["inner"])
+            for group in self.inner.param_groups:  # this run's devices choose, not the saver's
+                group["foreach"] = self._foreach
         copies = [pc for pc in self.pieces if pc.is_copy]
         for pc, master in zip(copies, state.get("masters", [])):
             pc.master.copy_(master)
