@@ -49,11 +49,12 @@ def _in_optimizer(event) -> bool:
 
 def expected_messages(layout: dict, pp_rank: int) -> tuple[int, int]:
     """(sends, receives) of this stage in one step, from the schedule."""
-    pp, m = layout["pp"], 4 // layout["dp"]
-    if layout.get("engine") == "interleaved-1f1b":
+    pp, m, engine = layout["pp"], 4 // layout["dp"], layout.get("engine")
+    if engine in ("interleaved-1f1b", "zb-h1", "zbv"):
         from nanotron_parallel.pipeline.interleaved import plan_interleaved
+        from nanotron_parallel.pipeline.zb_plan import plan as plan_zb
 
-        plan = plan_interleaved(pp, layout["v"], m)
+        plan = plan_interleaved(pp, layout["v"], m) if layout.get("v") else plan_zb(engine, pp, m)
         msgs = [msg for slot in plan.messages for msg in slot if msg.src != msg.dst]
         return sum(x.src == pp_rank for x in msgs), sum(x.dst == pp_rank for x in msgs)
     ends = (pp_rank > 0) + (pp_rank < pp - 1)  # each neighbour: m activations or m gradients
@@ -134,8 +135,8 @@ def test_single_process_step_has_no_host_sync():
 def test_two_rank_layouts_step_has_no_host_sync():
     """dp=2 with ZeRO-1 on NCCL's code paths (reduce-scatter, all-gather into one tensor),
     tp=2 sequence parallel with async linears and native reduce-scatter, pp=2 with 1F1B, and
-    interleaved 1F1B (v=2), context parallel (cp=2, K/V gathered): each message count is the
-    schedule's."""
+    interleaved 1F1B (v=2), context parallel (cp=2, K/V gathered), zb-h1 and zbv: each
+    message count is the schedule's."""
     layouts = [
         {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "tensor_collectives": True},
         {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "async": True,
@@ -143,5 +144,7 @@ def test_two_rank_layouts_step_has_no_host_sync():
         {"dp": 1, "tp": 1, "pp": 2},
         {"dp": 1, "tp": 1, "pp": 2, "engine": "interleaved-1f1b", "v": 2},
         {"dp": 1, "tp": 1, "pp": 1, "cp": 2},
+        {"dp": 1, "tp": 1, "pp": 2, "engine": "zb-h1"},
+        {"dp": 1, "tp": 1, "pp": 2, "engine": "zbv"},  # + the loss's hand-over: no host read
     ]  # fmt: skip
     check(layouts, run_distributed(count_step_syncs, 2, copy.deepcopy(layouts), timeout=300))
