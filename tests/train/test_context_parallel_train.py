@@ -1,6 +1,6 @@
 """Context parallelism in training: every cp layout trains the same model as one process.
 
-Each context-parallel attention (all-gather, ring, Ulysses) at cp=2, at cp=4 (ring, Ulysses),
+Each context-parallel attention (all-gather, ring, Ulysses) at cp=2, the ring at cp=4,
 and composed with tp=2 (both modes), pp=2 (three engines) and dp=2 with ZeRO-1, on the
 equivalence matrix's config (test_equivalence.py): lm_loss, grad_norm (and val_loss for the
 matrix points) at every step within 1e-5 relative of the single-process run. Checkpoints: cp does not shard
@@ -117,11 +117,10 @@ def masked_qwen2(runs: list[tuple[int, str]]) -> list[dict]:
     return out
 
 
-# Each cp attention at cp=4 and with tp (both modes), pp and dp x ZeRO-1; the all-gather
-# keeps the points it had before ring and Ulysses existed.
+# The ring at cp=4 (Ulysses at cp=4: tests/parallel/test_context_parallel.py), each cp
+# attention with tp (both modes) and pp, the all-gather with dp x ZeRO-1.
 CP_WORLD4 = [
     {"dp": 1, "tp": 1, "pp": 1, "cp": 4, **_RING},
-    {"dp": 1, "tp": 1, "pp": 1, "cp": 4, "tied": False, **_ULYSSES},
     {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "REDUCE_SCATTER", "tensor_collectives": True,
      "par": {"tp_linear_async_communication": True, "cp_attention": "ring"}},
     {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "tied": False,
