@@ -1,7 +1,8 @@
 """Nanotron's Qwen2 examples here: config_qwen.yaml loads unchanged and trains with only its
 sizes, layout and paths changed; the MoE example is refused at moe_config in one line; and
 Qwen2 with document masking, a sliding window and NoPE layers trains the same model at
-tp=2 x pp=2 (1f1b) and at dp=2 ZeRO-3 x tp=2 as in one process (1e-5)."""
+tp=2 x pp=2 (1f1b) and at dp=2 ZeRO-3 x tp=2 as in one process (1e-5), and at cp=2 (each cp
+attention) its packed loss is the token-weighted loss of each document alone."""
 
 from __future__ import annotations
 
@@ -126,27 +127,90 @@ def masked_config(layout: dict) -> dict:
 
 
 def run_masked(layouts: list[dict]) -> list[dict]:
+    torch.set_num_threads(1)
+    with shared_default_group():
+        return _train(layouts)
+
+
+def _train(layouts: list[dict]) -> list[dict]:
+    """Each layout's lm_loss and grad_norm curves (inside one shared default group)."""
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.trainer import Trainer
 
-    torch.set_num_threads(1)
     out = []
-    with shared_default_group():
-        for layout in layouts:
-            cfg = config_from_dict(masked_config(copy.deepcopy(layout)), "q", world_size=None)
-            pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
-            try:
-                records: list[dict] = []
-                Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
-            finally:
-                dist.barrier()
-                pc.destroy()
-            out.append(
-                {"loss": [r["lm_loss"] for r in records], "norm": [r["grad_norm"] for r in records]}
-            )
+    for layout in layouts:
+        cfg = config_from_dict(masked_config(copy.deepcopy(layout)), "q", world_size=None)
+        pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+        try:
+            records: list[dict] = []
+            Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
+        finally:
+            dist.barrier()
+            pc.destroy()
+        out.append(
+            {"loss": [r["lm_loss"] for r in records], "norm": [r["grad_norm"] for r in records]}
+        )
     return out
+
+
+DOC_LENGTHS = [7, 3, 9, 13]  # 32 tokens: cp=2 cuts chunks of 8; the 3rd document crosses two
+
+
+def cp_document_loss(choice: str) -> dict:
+    """Runs on 4 ranks as dp=2 x cp=2: the packed loss of a row of documents, computed by a
+    cp=2 Qwen2 (document masks, window, NoPE) and averaged over its cp ranks, against the
+    token-weighted loss of each document run alone in one process; gradients likewise."""
+    import torch.distributed as dist
+
+    from nanotron_models import build_llama
+    from nanotron_models.qwen2 import Qwen2Config
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.context_parallel import split_batch
+
+    config = Qwen2Config(**SIZES, sliding_window_size=6, no_rope_layer=2, _use_doc_masking=True,
+                         attention_bias=True, _attn_implementation="sdpa")  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (1, sum(DOC_LENGTHS) + 1), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
+    batch = {"input_ids": ids[:, :-1], "label_ids": ids[:, 1:], "position_ids": pos,
+             "label_mask": torch.ones(1, pos.shape[1], dtype=torch.bool),
+             "document_ids": (pos == 0).cumsum(dim=1)}  # fmt: skip
+    pc = ParallelContext(dp=2, cp=2)
+    try:
+        alone = build_llama(config, pc, seed=4)  # one process's view: each document alone
+        expected, start = 0.0, 0
+        for n in DOC_LENGTHS:
+            doc = {k: v[:, start : start + n] for k, v in batch.items() if k != "document_ids"}
+            doc["position_ids"] = torch.arange(n)[None]
+            loss = alone(None, doc) * n / pos.shape[1]
+            loss.backward()
+            expected += float(loss.detach())
+            start += n
+        model = build_llama(config, pc, seed=4)
+        model.set_context_parallel(pc.cp_group, 2, attention=choice)
+        loss = model(None, split_batch(batch, pc.cp_rank, 2))
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=pc.cp_group)
+        worst = 0.0
+        for p, q in zip(model.parameters(), alone.parameters(), strict=True):
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=pc.cp_group)
+            worst = max(worst, float((grad / 2 - q.grad).abs().max() / q.grad.abs().max()))
+        return {"packed": float(total) / 2, "alone": expected, "grad_rel": worst}
+    finally:
+        pc.destroy()
+
+
+def run_masked_and_cp(layouts: list[dict]) -> dict:
+    """One world-4 launch: the trainer layouts, then the cp=2 document loss per cp attention."""
+    torch.set_num_threads(1)
+    with shared_default_group():
+        trained = _train(layouts)
+        cp = {choice: cp_document_loss(choice) for choice in ("allgather", "ring", "ulysses")}
+    return {"trained": trained, "cp": cp}
 
 
 def test_masked_qwen2_layouts_equal_one_process():
@@ -155,7 +219,12 @@ def test_masked_qwen2_layouts_equal_one_process():
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 3},
     ]
-    results = run_distributed(run_masked, 4, layouts, timeout=300)[0]
+    ranks = run_distributed(run_masked_and_cp, 4, layouts, timeout=300)
+    results = ranks[0]["trained"]
+    for rank in ranks:  # document masking by value at cp=2: every cp attention, every rank
+        for choice, cp in rank["cp"].items():
+            assert cp["packed"] == pytest.approx(cp["alone"], rel=1e-5), (choice, cp)
+            assert cp["grad_rel"] < 1e-5, (choice, cp)
     assert len(ref["loss"]) == 3 and all(math.isfinite(x) for x in ref["loss"])
     for layout, res in zip(layouts, results, strict=True):
         for key in ("loss", "norm"):
