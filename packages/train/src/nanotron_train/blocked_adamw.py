@@ -47,7 +47,9 @@ def blocked_adamw_step(opt: torch.optim.AdamW, block: int = BLOCK) -> None:
             step = state["step"].item()  # a host tensor: no device sync
             step_size = lr / (1 - beta1**step)
             bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-            flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            # view: an in-place update must never land in a copy (the gradient is only read)
+            flat = [p.view(-1), p.grad.reshape(-1)]
+            flat += [state[k].view(-1) for k in ("exp_avg", "exp_avg_sq")]
             for lo in range(0, p.numel(), block):
                 param, grad, exp_avg, exp_avg_sq = (t[lo : lo + block] for t in flat)
                 if wd != 0:
