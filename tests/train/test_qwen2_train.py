@@ -230,3 +230,25 @@ def test_masked_qwen2_layouts_equal_one_process():
         for key in ("loss", "norm"):
             for a, b in zip(res[key], ref[key], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (layout, key, res[key], ref[key])
+
+
+def test_masked_qwen2_step_has_no_host_sync():
+    """Document masks, a window and NoPE layers add no host read to a training step (the
+    positions' cos/sin come from the positions, the masks from the document ids on device)."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+    from tests.train.test_step_syncs import SYNC_OPS, _events
+
+    torch.set_num_threads(1)
+    raw = masked_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"})
+    raw["logging"]["iteration_step_info_interval"] = 1000  # a logged step reads its loss
+    cfg = config_from_dict(raw, "q", world_size=None)
+    pc = ParallelContext(1, 1, 1)
+    try:
+        trainer = Trainer(cfg, pc, stream=io.StringIO())
+        trainer.train_step()
+        step, _ = _events(trainer.train_step)
+        trainer.close()
+    finally:
+        pc.destroy()
+    assert {op: step.get(op, 0) for op in SYNC_OPS} == dict.fromkeys(SYNC_OPS, 0), step

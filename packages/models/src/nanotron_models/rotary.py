@@ -7,6 +7,7 @@ dimension form the rotated pairs), so HF q/k projection weights load without any
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ class RotaryTable:
         # Position interpolation: position p is rotated as p / interpolation.
         self.interpolation = interpolation
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last: tuple | None = None  # (weak ref to position ids, dtype, (cos, sin))
 
     def _table(self, length: int, device: torch.device, dtype: torch.dtype):
         key = (device, dtype)
@@ -78,6 +80,26 @@ class RotaryTable:
             length = int(position_ids.max()) + 1
         cos, sin = self._table(length, device, dtype)
         return cos[position_ids], sin[position_ids]
+
+    def cos_sin_of(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*position_ids.shape, head_dim] computed from the positions themselves:
+        no table, so no host read of the largest position (positions restarting per document
+        can exceed any table a sample's length bounds). The same values as the table (the
+        same fp32 products); kept for the last position tensor, so the layers of a
+        micro-batch compute them once."""
+        last = self._last
+        if last is not None and last[0]() is position_ids and last[1] == dtype:
+            return last[2]
+        pos = position_ids.to(torch.float32)
+        if self.interpolation is not None:
+            pos = pos / self.interpolation
+        freqs = pos[..., None] * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        out = (emb.cos().to(dtype), emb.sin().to(dtype))
+        self._last = (weakref.ref(position_ids), dtype, out)
+        return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
