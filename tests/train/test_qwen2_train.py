@@ -1,8 +1,8 @@
 """Nanotron's Qwen2 examples here: config_qwen.yaml loads unchanged and trains with only its
 sizes, layout and paths changed; the MoE example is refused at moe_config in one line; and
 Qwen2 with document masking, a sliding window and NoPE layers trains the same model at
-tp=2 x pp=2 (1f1b) and at dp=2 ZeRO-3 x tp=2 as in one process (1e-5), and at cp=2 (each cp
-attention) its packed loss is the token-weighted loss of each document alone."""
+tp=2 x pp=2 (1f1b) and at dp=2 ZeRO-3 x tp=2 with recompute as in one process (1e-5), and at
+cp=2 (each cp attention) its packed loss is the token-weighted loss of each document alone."""
 
 from __future__ import annotations
 
@@ -121,6 +121,7 @@ def masked_config(layout: dict) -> dict:
     par = data["parallelism"]
     par.update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], pp_engine="1f1b")
     par.update(tp_mode=layout["mode"], tp_linear_async_communication=False)
+    par["recompute_layer"] = layout.get("recompute", False)
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
     data["optimizer"]["optimizer_factory"]["torch_adam_is_fused"] = False
     return data
@@ -217,7 +218,7 @@ def test_masked_qwen2_layouts_equal_one_process():
     ref = run_masked([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"}])[0]
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
-        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 3},
+        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 3, "recompute": True},
     ]
     ranks = run_distributed(run_masked_and_cp, 4, layouts, timeout=300)
     results = ranks[0]["trained"]
