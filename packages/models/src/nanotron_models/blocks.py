@@ -216,7 +216,7 @@ class Attention(nn.Module):
             position_ids = torch.arange(offset, offset + s, device=x.device)
             cos, sin = self.rotary.cos_sin(position_ids, x.device, x.dtype, offset + s)
             cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-        elif kv_cache is None and not torch.compiler.is_compiling():  # training, evaluation
+        elif kv_cache is None:  # training, evaluation
             # From the positions themselves, once per micro-batch: no host read of the largest
             cos, sin = self.rotary.cos_sin_of(position_ids, x.dtype)  # [b, s, d]
             cos, sin = cos.transpose(0, 1)[:, :, None, :], sin.transpose(0, 1)[:, :, None, :]

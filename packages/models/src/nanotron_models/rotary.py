@@ -89,7 +89,8 @@ class RotaryTable:
         can exceed any table a sample's length bounds). The same values as the table (the
         same fp32 products); kept for the last position tensor, so the layers of a
         micro-batch compute them once."""
-        last = self._last
+        compiling = torch.compiler.is_compiling()  # inside a compiled layer: plain ops, no cache
+        last = None if compiling else self._last
         if last is not None and last[0]() is position_ids and last[1] == dtype:
             return last[2]
         pos = position_ids.to(torch.float32)
@@ -98,7 +99,8 @@ class RotaryTable:
         freqs = pos[..., None] * self.inv_freq.to(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         out = (emb.cos().to(dtype), emb.sin().to(dtype))
-        self._last = (weakref.ref(position_ids), dtype, out)
+        if not compiling:
+            self._last = (weakref.ref(position_ids), dtype, out)
         return out
 
 
