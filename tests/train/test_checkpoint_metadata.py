@@ -195,3 +195,29 @@ def test_format_1_checkpoint_still_resumes_bitwise(run, tmp_path, capsys):
     assert code == 2 and len(err) == 1, err
     assert f"{root / '2' / 'rng/rank0.pt'}: not a readable RNG state" in err[0], err[0]
     assert not Path("/tmp/nanotron-pickle-ran").exists()
+
+
+def test_a_family_architecture_change_is_refused_but_a_llama_checkpoint_resumes_as_qwen2() -> None:
+    """Qwen2's own architecture keys (window, NoPE layers, biases, interpolation) are compared on
+    resume; a Llama checkpoint, which sets none of them, matches a Qwen2 config that adds none."""
+    from nanotron_models import LlamaConfig
+    from nanotron_models.qwen2 import Qwen2Config
+    from nanotron_train.checkpoints.errors import CheckpointError
+    from nanotron_train.checkpoints.load import check_model_config
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
+    saved = {"model_config": Qwen2Config(**sizes, sliding_window_size=8, no_rope_layer=4).to_dict()}
+    check_model_config(
+        Path("c"), saved, Qwen2Config(**sizes, sliding_window_size=8, no_rope_layer=4)
+    )
+    with pytest.raises(CheckpointError) as err:
+        check_model_config(
+            Path("c"), saved, Qwen2Config(**sizes, sliding_window_size=16, no_rope_layer=4)
+        )
+    assert "sliding_window_size: checkpoint 8, config 16" in str(err.value)
+    with pytest.raises(CheckpointError, match="no_rope_layer: checkpoint 4, config None"):
+        check_model_config(Path("c"), saved, Qwen2Config(**sizes, sliding_window_size=8))
+    check_model_config(
+        Path("c"), {"model_config": LlamaConfig(**sizes).to_dict()}, Qwen2Config(**sizes)
+    )

@@ -39,6 +39,13 @@ ARCH_KEYS = (
     "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
     "rope_scaling", "hidden_act", "rope_interleaved",
 )  # fmt: skip
+# A family's own architecture keys (Qwen2's biases, windows, NoPE layers, position
+# interpolation): compared when either side sets them, so a Llama checkpoint still resumes
+# under a Qwen2 config that adds none of them.
+FAMILY_ARCH_KEYS = (
+    "attention_bias", "sliding_window_size", "no_rope_layer", "rope_seq_len_interpolation_factor",
+)  # fmt: skip
+_UNSET = (None, False)
 
 
 def resolve_checkpoint(value: str, checkpoints_path: str | None) -> Path:
@@ -87,6 +94,10 @@ def check_model_config(folder: Path, meta: dict, model_config) -> None:
         f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
         for k in ARCH_KEYS
         if saved.get(k) != mine.get(k)
+    ] + [
+        f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
+        for k in FAMILY_ARCH_KEYS
+        if saved.get(k) != mine.get(k) and not (saved.get(k) in _UNSET and mine.get(k) in _UNSET)
     ]
     if diff:
         raise CheckpointError(
