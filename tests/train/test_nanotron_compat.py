@@ -579,8 +579,12 @@ def test_launcher_user_errors_are_one_line_and_status_2(tmp_path, capsys):
     "key, value, expect",
     [
         ("checkpoints.resume_checkpoint_path", "s3://bucket/ckpt/10", "asks for checkpoints on S3"),
-        ("model.model_config._attn_implementation", "flex_attention", "context-parallel"),
-        ("model.model_config.is_llama_config", False, "only Llama models"),
+        (
+            "model.model_config._attn_implementation",
+            "flex_attention",
+            "ring attention under context parallel",
+        ),
+        ("model.model_config.is_llama_config", False, "says is_qwen2_config: true instead"),
         ("model.init_method.scaling_method", "LAYER_INDEX", "not implemented by Nanotron either"),
         ("optimizer.optimizer_factory.name", "sgd", "name: sgd takes none of adam_beta1"),
     ],

@@ -320,7 +320,10 @@ LLAMA_CHECKS: tuple[ModelCheck, ...] = (
     ),
     ModelCheck(
         lambda c, tp: bool(c.is_llama_config),
-        lambda c, tp: f"{_MC}.is_llama_config is false: only Llama models are supported here",
+        lambda c, tp: (
+            f"{_MC}.is_llama_config is false: a Llama config says true (a Qwen2 config "
+            "says is_qwen2_config: true instead)"
+        ),
     ),
     ModelCheck(
         lambda c, tp: isinstance(c._use_doc_masking, bool),
