@@ -17,9 +17,12 @@ starts inside a document).
 Kernels. `masked_attention` runs flex attention when asked for (`flex`): compiled, block-sparse
 (128x128 blocks the mask empties are skipped, which is where packed short documents and
 windows save work). PyTorch has no flex backward on the CPU, so there it serves only
-gradient-free calls (evaluation, generation); training on the CPU, and every other backend,
-runs SDPA with the explicit boolean mask. Both give the same values
-(tests/models/test_qwen2.py).
+gradient-free calls (evaluation, generation). `flash_attn` (CUDA with flash-attn installed:
+Nanotron's default `flash_attention_2`) runs whole sequences through flash-attn's varlen kernel,
+each document one sequence of the flattened batch (`cu_seqlens` from the document ids, built
+once per micro-batch with one host read of the longest document, as every varlen caller
+needs), the window as flash-attn's `window_size`. Every other call runs SDPA with the explicit
+boolean mask. All give the same values (tests/models/test_qwen2.py, test_masks_varlen.py).
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ class AttentionMask:
             same = doc[:, q_index][:, :, None] == doc[:, k_index][:, None, :]
             allowed = allowed & same[:, None]
         return allowed
+
+    def varlen_bounds(self, s: int, device) -> tuple[torch.Tensor, int]:
+        """flash-attn varlen's (cu_seqlens, longest document), once per micro-batch."""
+        key = ("varlen", s, device)
+        if key not in self.blocks:
+            self.blocks[key] = varlen_bounds(self.document_ids)
+        return self.blocks[key]
 
     def mask_mod(self, q_index: torch.Tensor, k_index: torch.Tensor):
         """flex attention's mask_mod over this mask's global indices."""
@@ -115,6 +125,8 @@ def masked_attention(
     `mask` at the given global indices; `key_mask` [b, s_k] (True = a real token) hides
     decoding's left padding; `whole`: the indices are 0..S-1 for both (the flex block mask is
     then kept on the mask for the other layers). Returns [s_q, b, h, d]."""
+    if backend == "flash_attn" and key_mask is None and whole:
+        return _flash_varlen(q, k, v, mask)
     if backend == "flex" and key_mask is None:
         if q.device.type == "cuda":
             return _flex(q, k, v, q_index, k_index, mask, whole=whole)
@@ -129,6 +141,37 @@ def masked_attention(
     gqa = qb.shape[1] != kb.shape[1]
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, enable_gqa=gqa)
     return out.permute(2, 0, 1, 3)
+
+
+def _flash_varlen(q, k, v, mask: AttentionMask) -> torch.Tensor:
+    """flash-attn over whole sequences: documents as the varlen kernel's sequences."""
+    import flash_attn
+
+    window = (mask.window - 1, 0) if mask.window is not None else (-1, -1)
+    if mask.document_ids is None:  # a window alone: the batched kernel
+        qb, kb, vb = (t.transpose(0, 1) for t in (q, k, v))
+        out = flash_attn.flash_attn_func(qb, kb, vb, causal=True, window_size=window)
+        return out.transpose(0, 1)
+    s, b = q.shape[0], q.shape[1]
+    cu_seqlens, longest = mask.varlen_bounds(s, q.device)
+    # [s, b, h, d] -> [b * s, h, d]: row after row, so each document is one contiguous run
+    flat = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
+    out = flash_attn.flash_attn_varlen_func(
+        *flat, cu_seqlens, cu_seqlens, longest, longest, causal=True, window_size=window
+    )
+    return out.view(b, s, *out.shape[1:]).transpose(0, 1)
+
+
+def varlen_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32 [n_docs + 1], longest document) of the batch's rows flattened one
+    after the other: a document starts where the id changes or a row starts."""
+    b, s = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = starts.flatten().nonzero().flatten()
+    end = torch.tensor([b * s], device=first.device, dtype=first.dtype)
+    cu_seqlens = torch.cat((first, end)).to(torch.int32)
+    return cu_seqlens, int(cu_seqlens.diff().max())  # the kernel's grid size: a host read
 
 
 def _grad(*tensors: torch.Tensor) -> bool:
