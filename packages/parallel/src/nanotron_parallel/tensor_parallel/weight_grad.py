@@ -86,9 +86,13 @@ def run_weight_grads(
     (a tied weight used twice), and accumulate them, with `extra` (the gradients B computed
     for parameters without a split), in one autograd call so the parameters' hooks fire."""
     summed: dict[int, list] = {}
-    for params, compute in jobs:
-        for p, g in zip(params, compute()):
-            _add(summed, p, g)
+    # The closures compute gradients explicitly, as a backward does (autograd runs backward
+    # functions without grad mode): no graph recorded around the layers' saved inputs, and an
+    # async gather's copy into its output views happens in the mode the views were made in.
+    with torch.no_grad():
+        for params, compute in jobs:
+            for p, g in zip(params, compute()):
+                _add(summed, p, g)
     for p, g in extra:
         _add(summed, p, g)
     if summed:
