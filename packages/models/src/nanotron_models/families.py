@@ -10,6 +10,7 @@ row in `FAMILIES`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,16 +106,10 @@ LLAMA = ModelFamily(
 
 # Nanotron's Qwen2 (SmolLM3's architecture): Llama's blocks and names, the family's attention
 # said by its config (q/k/v biases, NoPE layers, sliding windows, document masking).
-QWEN2 = ModelFamily(
+QWEN2 = dataclasses.replace(
+    LLAMA,
     name="qwen2",
     config_class=Qwen2Config,
-    build_stage=build_llama_stage,
-    block_names=llama_block_names,
-    block_costs=llama_block_costs,
-    init_spec=llama_init_spec,
-    tied_key=TIED_KEY,
-    num_parameters=num_parameters,
-    training_flops_per_token=training_flops_per_token,
     hf=HFMapping(
         model_type="qwen2",
         architectures=("Qwen2ForCausalLM", "SmolLM3ForCausalLM"),

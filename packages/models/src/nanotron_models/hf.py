@@ -73,14 +73,20 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
     )
 
 
-def config_to_hf(config: LlamaConfig) -> Any:
-    """A `transformers.LlamaConfig` describing the same model (needs the `hf` extra)."""
+def import_transformers():
+    """transformers, or one line saying which extra installs it."""
     try:
         import transformers
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ModelConfigError(
             "converting to Hugging Face needs transformers: pip install 'nanotron-models[hf]'"
         ) from err
+    return transformers
+
+
+def config_to_hf(config: LlamaConfig) -> Any:
+    """A `transformers.LlamaConfig` describing the same model (needs the `hf` extra)."""
+    transformers = import_transformers()
     scaling = None
     if config.rope_scaling is not None:
         scaling = {k: v for k, v in config.rope_scaling.items() if k != "type"}

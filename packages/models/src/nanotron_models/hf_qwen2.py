@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ModelConfigError
+from .hf import import_transformers
 from .qwen2 import Qwen2Config
 
 
@@ -129,12 +130,7 @@ def _hf_rope(config: Qwen2Config) -> dict[str, Any]:
 
 def qwen2_config_to_hf(config: Qwen2Config) -> Any:
     """A transformers Qwen2Config (attention_bias) or SmolLM3Config (no bias) of the same model."""
-    try:
-        import transformers
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ModelConfigError(
-            "converting to Hugging Face needs transformers: pip install 'nanotron-models[hf]'"
-        ) from err
+    transformers = import_transformers()
     c = config
     layers = c.num_hidden_layers
     window = c.sliding_window_size
