@@ -2,12 +2,16 @@
 detector settings, and of the same run with one worker slowed from outside.
 
     .venv/bin/python bench/straggler_false_alarms.py [--runs 20] [--steps 60] [--slowed 2]
+        [--slow-by sigstop|cgroup]
 
 Each run is the checkpoint tests' tiny Llama, streaming to an in-process fake ingest (the
 dashboard's message model), rank stats every 2 steps; nothing disturbs the workers but the
 machine itself (on the 2-core development machine, 4 processes share 2 cores: the noise the
-detector must tolerate). `--slowed` more runs SIGSTOP rank 3 for 40 ms of every 60 (it works at
-about a third of its speed) and report the step of the first event naming it. bench/
+detector must tolerate). `--slowed` more runs slow rank 3 from outside and report the step of
+the first event naming it: `sigstop` stops it 40 ms of every 60 (a duty cycle that lands on its
+compute in some intervals and on its waits in others), `cgroup` caps its CPU with a cgroup-v1
+CPU quota of a quarter core (half its share of the 2 cores: a steady 2x slower rank, as a
+throttled device; needs root and /sys/fs/cgroup/cpu). bench/
 dashboard_false_alarms.py models the same detector on simulated timings; this one counts
 what real runs raise.
 """
@@ -29,13 +33,35 @@ INTERVAL = 2
 SLOW_RANK = 3
 
 
-def one_run(tmp: Path, name: str, steps: int, slowed: bool) -> tuple[int, list[dict], float]:
+CGROUP = Path("/sys/fs/cgroup/cpu/nanotron-straggler-bench")
+
+
+def capped(run: Torchrun4) -> int:
+    """Run with rank 3's worker in a cgroup of a quarter core (every thread: cgroup.procs)."""
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "cpu.cfs_period_us").write_text("100000")
+    (CGROUP / "cpu.cfs_quota_us").write_text("25000")
+    (CGROUP / "cgroup.procs").write_text(str(run.wait_workers()[SLOW_RANK]))
+    try:
+        return run.wait(timeout=600)
+    finally:
+        for pid in (CGROUP / "cgroup.procs").read_text().split():  # back to the root group
+            (CGROUP.parent / "cgroup.procs").write_text(pid)
+        CGROUP.rmdir()
+
+
+def one_run(tmp: Path, name: str, steps: int, slow_by: str | None) -> tuple[int, list, float]:
     ingest = FakeIngest()
     cfg = telemetry_config(tmp, name, LAYOUT, steps, rank_stats_interval=INTERVAL)
     start = time.monotonic()
     run = Torchrun4(cfg, ingest.url)
     try:
-        status = run.wait_with_a_slowed_rank(SLOW_RANK) if slowed else run.wait(timeout=600)
+        if slow_by == "sigstop":
+            status = run.wait_with_a_slowed_rank(SLOW_RANK)
+        elif slow_by == "cgroup":
+            status = capped(run)
+        else:
+            status = run.wait(timeout=600)
     finally:
         ingest.close()
     return status, ingest.events("straggler"), time.monotonic() - start
@@ -46,12 +72,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--slowed", type=int, default=2)
+    p.add_argument("--slow-by", choices=("sigstop", "cgroup"), default="sigstop")
     args = p.parse_args()
     false_alarms = runs_with_alarm = 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for i in range(args.runs):
-            status, events, secs = one_run(tmp, f"healthy{i}", args.steps, slowed=False)
+            status, events, secs = one_run(tmp, f"healthy{i}", args.steps, None)
             false_alarms += len(events)
             runs_with_alarm += bool(events)
             ranks = [e["details"].get("rank") for e in events]
@@ -60,7 +87,7 @@ def main() -> None:
                 flush=True,
             )
         for i in range(args.slowed):
-            status, events, secs = one_run(tmp, f"slowed{i}", args.steps, slowed=True)
+            status, events, secs = one_run(tmp, f"slowed{i}", args.steps, args.slow_by)
             named = [e for e in events if e["details"].get("rank") == SLOW_RANK]
             first = named[0].get("step") if named else None
             others = len(events) - len(named)
