@@ -129,7 +129,26 @@ def plan_forward_only(pp: int, v: int, m: int) -> InterleavedPlan:
 
 
 def _simulate(pp: int, v: int, m: int, orders: list[list[Action]]) -> InterleavedPlan:
-    last_vs = pp * v - 1
+    slots, messages = simulate_orders(
+        pp, v, orders, lambda r, c, p: c * p + r, f"interleaved plan (pp={pp}, v={v}, m={m})"
+    )
+    return InterleavedPlan(pp, v, m, slots, messages)
+
+
+def simulate_orders(
+    pp: int,
+    chunks: int,
+    orders: list[list[Action]],
+    virtual_stage: Callable[[int, int, int], int],
+    what: str,
+) -> tuple[list[list[Action | None]], list[list[Message]]]:
+    """Each rank's `orders` run in lockstep slots: an action waits for the message it needs
+    (a forward past the first virtual stage, a backward before the last; any other kind, a
+    zero-bubble W, needs none), then sends to the neighbouring virtual stage, whose rank and
+    chunk `virtual_stage(rank, chunk, pp)` places. Returns (slots, messages sent per slot);
+    a slot where no rank can move is a deadlock of the orders: an error naming `what`."""
+    last = pp * chunks - 1
+    where = {virtual_stage(r, c, pp): (r, c) for r in range(pp) for c in range(chunks)}
     arrived: set[tuple[str, int, int, int]] = set()  # (kind, rank, micro_batch, chunk)
     pos = [0] * pp
     slots: list[list[Action | None]] = []
@@ -139,25 +158,25 @@ def _simulate(pp: int, v: int, m: int, orders: list[list[Action]]) -> Interleave
         sent: list[Message] = []
         for r in range(pp):
             a = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
-            vs = None if a is None else a.chunk * pp + r
-            needs_input = a is not None and (vs > 0 if a.kind == FWD else vs < last_vs)
-            if a is None or (needs_input and (a.kind, r, a.micro_batch, a.chunk) not in arrived):
+            vs = None if a is None else virtual_stage(r, a.chunk, pp)
+            needs = a is not None and (vs > 0 if a.kind == FWD else a.kind == BWD and vs < last)
+            if a is None or (needs and (a.kind, r, a.micro_batch, a.chunk) not in arrived):
                 row.append(None)
                 continue
             row.append(a)
             pos[r] += 1
-            if a.kind == FWD and vs < last_vs:  # activation to the next virtual stage
-                dst = (r + 1) % pp
-                sent.append(Message(FWD, r, dst, a.micro_batch, a.chunk + (r == pp - 1)))
+            if a.kind == FWD and vs < last:  # activation to the next virtual stage
+                dst, chunk = where[vs + 1]
+                sent.append(Message(FWD, r, dst, a.micro_batch, chunk))
             elif a.kind == BWD and vs > 0:  # input gradient to the previous virtual stage
-                dst = (r - 1) % pp
-                sent.append(Message(BWD, r, dst, a.micro_batch, a.chunk - (r == 0)))
+                dst, chunk = where[vs - 1]
+                sent.append(Message(BWD, r, dst, a.micro_batch, chunk))
         if all(a is None for a in row):
-            raise PipelineScheduleError(f"interleaved plan stalls (pp={pp}, v={v}, m={m})")
+            raise PipelineScheduleError(f"{what} stalls")
         arrived.update((msg.kind, msg.dst, msg.micro_batch, msg.chunk) for msg in sent)
         slots.append(row)
         messages.append(sent)
-    return InterleavedPlan(pp, v, m, slots, messages)
+    return slots, messages
 
 
 @dataclass

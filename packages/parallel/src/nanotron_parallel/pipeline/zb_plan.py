@@ -34,7 +34,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanotron_parallel.pipeline.interleaved import Action, Message
+from nanotron_parallel.pipeline.interleaved import Action, Message, simulate_orders
 from nanotron_parallel.pipeline.step import PipelineScheduleError
 
 FWD, BWD, WGT = "F", "B", "W"
@@ -194,36 +194,8 @@ def plan(name: str, pp: int, m: int, forward_only: bool = False) -> ZBPlan:
 def simulate(
     pp: int, m: int, chunks: int, orders: list[list[Action]], vstage: VirtualStage
 ) -> ZBPlan:
-    last = pp * chunks - 1
-    where = {vstage(r, c, pp): (r, c) for r in range(pp) for c in range(chunks)}
-    arrived: set[tuple[str, int, int, int]] = set()  # (kind, rank, micro_batch, chunk)
-    pos = [0] * pp
-    slots: list[list[Action | None]] = []
-    messages: list[list[Message]] = []
-    while any(pos[r] < len(orders[r]) for r in range(pp)):
-        row: list[Action | None] = []
-        sent: list[Message] = []
-        for r in range(pp):
-            a = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
-            vs = None if a is None else vstage(r, a.chunk, pp)
-            needs = a is not None and (vs > 0 if a.kind == FWD else a.kind == BWD and vs < last)
-            if a is None or (needs and (a.kind, r, a.micro_batch, a.chunk) not in arrived):
-                row.append(None)
-                continue
-            row.append(a)
-            pos[r] += 1
-            if a.kind == FWD and vs < last:
-                dst, chunk = where[vs + 1]
-                sent.append(Message(FWD, r, dst, a.micro_batch, chunk))
-            elif a.kind == BWD and vs > 0:
-                dst, chunk = where[vs - 1]
-                sent.append(Message(BWD, r, dst, a.micro_batch, chunk))
-        if all(a is None for a in row):
-            raise PipelineScheduleError(f"the zero-bubble plan stalls (pp={pp}, m={m})")
-        arrived.update((msg.kind, msg.dst, msg.micro_batch, msg.chunk) for msg in sent)
-        slots.append(row)
-        messages.append(sent)
-    return ZBPlan(pp, m, chunks, slots, messages)
+    what = f"the zero-bubble plan (pp={pp}, m={m})"
+    return ZBPlan(pp, m, chunks, *simulate_orders(pp, chunks, orders, vstage, what))
 
 
 def idle_formula(engine: str, pp: int, m: int, v: int = 2) -> float:
