@@ -32,7 +32,6 @@ from .kv_cache import KVCache
 from .masks import (
     DOCUMENT_IDS_KEY,
     AttentionMask,
-    document_ids,
     index_kernel,
     masked_attention,
     shared_mask,
@@ -301,10 +300,9 @@ class DecoderLayer(nn.Module):
         position_ids = batch.get("position_ids")
         doc_ids = None
         if self.attn.document_masking and kv_cache is None:
-            # the data's full-sequence ids (kept whole under context parallel), else derived
+            # the data's full-sequence ids (kept whole under context parallel), or derived
+            # once per micro-batch from the positions (LlamaStage.with_document_ids)
             doc_ids = batch.get(DOCUMENT_IDS_KEY)
-            if doc_ids is None and position_ids is not None:
-                doc_ids = document_ids(position_ids)
         attn_in = self.input_norm(x)
         x = x + self.attn(attn_in, position_ids, kv_cache, batch.get("key_mask"), doc_ids)
         return x + self.mlp(self.post_attn_norm(x))

@@ -29,6 +29,7 @@ from .config import ATTN_BACKENDS, LlamaConfig, ModelConfigError
 from .flops import llama_block_names
 from .init import full_tensor, llama_init_spec
 from .kv_cache import KVCache
+from .masks import DOCUMENT_IDS_KEY, document_ids
 from .rotary import RotaryTable
 
 TIED_KEY = "embedding.weight"
@@ -183,8 +184,25 @@ class LlamaStage(nn.Module):
                 out.append((block, list(block.parameters())))
         return out
 
+    def with_document_ids(self, batch: Batch) -> Batch:
+        """The batch with its document ids when a layer masks documents and the data gave
+        only position ids: derived once per micro-batch, not per layer. Under context
+        parallel the positions are this rank's slice: the data must give the whole-sequence
+        ids (it always does when masking is on)."""
+        if DOCUMENT_IDS_KEY in batch or batch.get("position_ids") is None:
+            return batch
+        if not any(layer.attn.document_masking for layer in self.decoder.values()):
+            return batch
+        if any(layer.attn.cp_size > 1 for layer in self.decoder.values()):
+            raise ValueError(
+                "document masking under context parallel needs the batch's whole-sequence "
+                f"{DOCUMENT_IDS_KEY!r} (position ids are this rank's slice)"
+            )
+        return {**batch, DOCUMENT_IDS_KEY: document_ids(batch["position_ids"])}
+
     def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:
         recompute = self.recompute and torch.is_grad_enabled()
+        batch = self.with_document_ids(batch)
         for name in self.block_names:
             if self.fused_loss and name == "lm_head":
                 continue  # the loss block runs the lm_head (set_fused_loss)
@@ -262,6 +280,8 @@ class LlamaStage(nn.Module):
         the previous stage's hidden state in; a hidden state, or the lm_head's logit shard
         when the stage holds it, out. The caller commits the new tokens to `kv_cache` once
         every stage of the step ran."""
+        if kv_cache is None:
+            batch = self.with_document_ids(batch)
         for name in self.block_names:
             if name == "loss":
                 continue
