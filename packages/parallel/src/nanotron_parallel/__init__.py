@@ -15,9 +15,13 @@ from nanotron_parallel.grid import (
     validate_degrees,
 )
 from nanotron_parallel.sharding import (
+    ExpertShard,
     ParamMeta,
+    expert_shard,
     gather_full,
     get_param_meta,
+    is_expert_param,
+    mark_expert_param,
     set_param_meta,
     shard_tensor,
     unshard_tensor,
@@ -45,6 +49,7 @@ except PackageNotFoundError:  # imported from a source tree without installing (
 
 __all__ = [
     "ColumnParallelLinear",
+    "ExpertShard",
     "ParallelConfigError",
     "ParallelContext",
     "ParamMeta",
@@ -53,11 +58,14 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_gather_to_tp",
     "copy_to_tp",
+    "expert_shard",
     "gather_from_tp",
     "gather_full",
     "get_param_meta",
     "grid_coords",
     "group_rank_lists",
+    "is_expert_param",
+    "mark_expert_param",
     "rank_grid",
     "reduce_from_tp",
     "reduce_scatter_from_tp",

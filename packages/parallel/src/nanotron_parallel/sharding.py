@@ -115,3 +115,54 @@ def gather_full(
         gathered = [torch.empty_like(shard) for _ in range(world)]
         dist.all_gather(gathered, shard, group=group)
         return unshard_tensor(gathered, dim, sections)
+
+
+# -- expert parameters: stacked over the local experts, sharded over ep along dim 0 -------------
+
+_EXPERT_ATTR = "_nanotron_expert_shard"
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """An expert parameter [E_local, ...] holds the global experts
+    [first_local_expert, first_local_expert + E_local) of the full [num_experts, ...] tensor:
+    ep rank `ep_rank` of `ep_size` holds the `ep_rank`-th contiguous block. Its gradient reduces
+    over the edp x cp group (the ranks holding the same experts), not dp x cp; checkpoints
+    store it by global expert index (the full tensor)."""
+
+    num_experts: int
+    first_local_expert: int
+    num_local_experts: int
+
+    @property
+    def ep_size(self) -> int:
+        return self.num_experts // self.num_local_experts
+
+    @property
+    def ep_rank(self) -> int:
+        return self.first_local_expert // self.num_local_experts
+
+    def full_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        return (self.num_experts, *local_shape[1:])
+
+
+def mark_expert_param(param: torch.Tensor, num_experts: int, first_local_expert: int) -> None:
+    """Mark `param` ([E_local, ...], stacked over this rank's experts) as an expert parameter
+    holding global experts [first_local_expert, first_local_expert + E_local)."""
+    local = int(param.shape[0])
+    if local < 1 or num_experts % local or first_local_expert % local:
+        raise ParallelConfigError(
+            f"expert parameter of {local} local experts cannot hold experts from "
+            f"{first_local_expert} of {num_experts} in equal contiguous blocks"
+        )
+    setattr(param, _EXPERT_ATTR, ExpertShard(num_experts, first_local_expert, local))
+
+
+def expert_shard(param: torch.Tensor) -> ExpertShard | None:
+    """The expert marker of `param`; None for a dense parameter."""
+    return getattr(param, _EXPERT_ATTR, None)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Whether `param` is a routed expert's weight (its gradient reduces over edp x cp)."""
+    return expert_shard(param) is not None
