@@ -3,7 +3,8 @@
 A step's loss is the last stage's, read on the host through a collective over pp and then
 dp x cp, so every rank makes the record of the same steps (rank 0 alone logs it). The loss and
 the gradient norm are the record's only host reads (tests/train/test_step_syncs.py counts
-them); the non-finite check runs on those same two values.
+them), and, for a MoE model, the packed expert statistics (reporting/moe_metrics.py); the
+non-finite check runs on the loss and the norm.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from nanotron_parallel.pipeline import loss_on_all_pp_ranks
 from nanotron_train.fault.nonfinite import stop as nonfinite_stop
 from nanotron_train.model_factory import padded_model_config
 from nanotron_train.reporting.device_peaks import device_peak_tflops, peak_memory_bytes
+from nanotron_train.reporting.moe_metrics import MoEMetrics
 from nanotron_train.reporting.record import StepMeasure, make_record
 from nanotron_train.train_state import StepOutput
 
@@ -30,7 +32,9 @@ class StepRecorder:
     `grads`: its data-parallel gradients (where a stop finds the first non-finite one).
     """
 
-    def __init__(self, model_args, global_batch_size: int, pc, fault, named_params, grads):
+    def __init__(self, model_args, global_batch_size: int, pc, fault, named_params, grads,
+                 moe: MoEMetrics | None = None):  # fmt: skip
+        self.moe = moe  # expert load metrics (MoE models), one reduction per record
         self.z_loss_enabled = model_args.model_config.z_loss_enabled
         self.global_batch_size = global_batch_size
         self.pc, self.fault, self.named_params, self.grads = pc, fault, named_params, grads
@@ -80,4 +84,6 @@ class StepRecorder:
         )
         if self.z_loss_enabled:  # the same condition on every rank
             record["z_loss"] = self.global_mean_loss(out.z_loss)  # lm_loss includes it
+        if self.moe is not None:  # the same condition on every rank
+            record.update(self.moe.collect())
         return self.fault.annotate(record, action)

@@ -46,6 +46,7 @@ from nanotron_train.reporting.benchmark_csv import append_row, benchmark_row
 from nanotron_train.reporting.dashboard_sink import checkpoint_run_id
 from nanotron_train.reporting.log_levels import configure_logging, prints_step_lines
 from nanotron_train.reporting.metrics import MetricsLogger, build_metrics_logger
+from nanotron_train.reporting.moe_metrics import build_moe_metrics
 from nanotron_train.reporting.profiling import StepProfiler
 from nanotron_train.reporting.record import StepTimer
 from nanotron_train.step_record import StepRecorder
@@ -87,8 +88,15 @@ class Trainer:
             self.fault.close()  # signal handlers back, watchdog stopped
             raise
         self._find_step_tensors(model)
+        self.moe = build_moe_metrics(cfg, pc, model)  # None without moe_config
         self.records = StepRecorder(
-            cfg.model, cfg.global_batch_size, pc, self.fault, self.named_params, self.grads
+            cfg.model,
+            cfg.global_batch_size,
+            pc,
+            self.fault,
+            self.named_params,
+            self.grads,
+            moe=self.moe,
         )
         self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
         # `train()` sets it: run_end goes out after the process groups are torn down.
@@ -159,6 +167,8 @@ class Trainer:
                 for mb in micro_batches
             ]
         self.grads.zero_grad()
+        if self.moe is not None:
+            self.moe.reset()  # expert loads and aux losses of this step's micro-batches only
         recorder = tm.timeline_recorder(step)  # the pipeline timeline's step, else a no-op
         with tm.span("pipeline"):
             result = run_pipeline_step(

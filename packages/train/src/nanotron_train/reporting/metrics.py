@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from nanotron_train.reporting.dashboard_sink import (
     new_run_id,
     resumed_from,
 )
+from nanotron_train.reporting.moe_metrics import LOAD_KEY, moe_load_message
 from nanotron_train.reporting.step_line import format_line
 
 
@@ -160,6 +162,8 @@ class MetricsLogger:
             self._wandb.log(scalars, step=rec["step"])
         if self._dashboard is not None:
             self._dashboard.metrics(rec["step"], rec)
+            if rec.get(LOAD_KEY):  # per-expert loads: the dashboard's load heatmap
+                self._dashboard.telemetry(moe_load_message(rec["step"], time.time(), rec[LOAD_KEY]))
 
     def checkpoint(self, info: dict[str, Any] | str | os.PathLike) -> None:
         """Call after each save with the checkpoint folder (or a ready message dict)."""

@@ -28,6 +28,11 @@ def format_line(rec: dict[str, Any], train_steps: int) -> str:
     ]
     if "z_loss" in rec:
         parts.insert(7, f"z_loss: {rec['z_loss']:.4g}")
+    if "moe/aux_loss" in rec:  # a MoE model (reporting/moe_metrics.py)
+        parts.append(f"moe_aux_loss: {rec['moe/aux_loss']:.4g}")
+        if "moe/z_loss" in rec:
+            parts.append(f"moe_z_loss: {rec['moe/z_loss']:.4g}")
+        parts.append(f"moe_load_imbalance: {rec['moe/load_imbalance']:.3g}")
     if rec["grad_norm"] is not None:
         parts.append(f"grad_norm: {rec['grad_norm']:.4g}")
     if "val_loss" in rec:  # an evaluation step (eval/evaluation.py)
