@@ -5,7 +5,9 @@ tp fastest): for each dimension and each derived kind the context holds `<name>_
 `<name>_ranks`, for each dimension `<name>_size` and `<name>_rank`, and for each derived kind
 its size and this rank's place in it. Parameters are replicated over cp as over dp, so
 gradients are reduced (and ZeRO shards) over the flattened dp x cp group, `dp_cp_group`, whose
-rank is ``dp_rank * cp + cp_rank``.
+rank is ``dp_rank * cp + cp_rank``. Expert parallel splits dp into (edp, ep): `ep_group` holds
+the ranks a MoE layer dispatches tokens over, `edp_cp_group` the ranks holding the same experts
+(their gradients' reduction and ZeRO group; rank ``edp_rank * cp + cp_rank``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch.distributed as dist
 
 from nanotron_parallel.grid import (
     DERIVED_GROUPS,
-    DIMENSIONS,
+    GRID_ORDER,
     GROUP_KINDS,
     ParallelConfigError,
+    axis_sizes,
     check_degrees,
     coords_at,
     degrees,
@@ -88,24 +91,34 @@ class ParallelContext:
     tp_size: int
     pp_size: int
     cp_size: int
+    ep_size: int
+    edp_size: int
     dp_cp_size: int
+    edp_cp_size: int
     dp_rank: int
     tp_rank: int
     pp_rank: int
     cp_rank: int
+    ep_rank: int
+    edp_rank: int
     dp_cp_rank: int
+    edp_cp_rank: int
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     cp_group: dist.ProcessGroup
     mp_group: dist.ProcessGroup
     dp_cp_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+    edp_cp_group: dist.ProcessGroup
     tp_ranks: list[int]
     dp_ranks: list[int]
     pp_ranks: list[int]
     cp_ranks: list[int]
     mp_ranks: list[int]
     dp_cp_ranks: list[int]
+    ep_ranks: list[int]
+    edp_cp_ranks: list[int]
 
     def __init__(
         self,
@@ -117,13 +130,15 @@ class ParallelContext:
         tensor_collectives: bool | None = None,
         *,
         cp: int = 1,
+        ep: int = 1,
     ) -> None:
         """`tensor_collectives`: run reduce-scatter and all-gather as the backend's
         single-tensor collectives (NCCL's way; None = only under NCCL). On gloo all-reduce +
         slice is faster, so that is the default there; tests set True to run NCCL's code paths
         (ZeRO-1's reduce-scatter and all-gather, sequence parallel's reduce-scatter) on the CPU.
-        `cp`: the context-parallel degree (each sequence split over cp ranks)."""
-        self.sizes = degrees(dp, tp, pp, cp)
+        `cp`: the context-parallel degree (each sequence split over cp ranks); `ep`: the
+        expert-parallel degree (a divisor of dp: experts split over ep consecutive dp ranks)."""
+        self.sizes = degrees(dp, tp, pp, cp, ep)
         check_degrees(self.sizes)
         launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
         if dist.is_initialized():
@@ -164,27 +179,33 @@ class ParallelContext:
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
     def _set_coordinates(self) -> None:
-        """`<dim>_size` and `<dim>_rank` per dimension; a derived kind's size and this rank's
-        index in its group (dp_cp: dp_rank * cp + cp_rank)."""
-        coords = coords_at(self.sizes, self.rank)
-        for d in DIMENSIONS:
-            setattr(self, f"{d.name}_size", self.sizes[d.name])
-            setattr(self, f"{d.name}_rank", coords[d.name])
+        """`<axis>_size` and `<axis>_rank` per grid axis; a derived kind's size and this rank's
+        index in its group (dp: edp_rank * ep + ep_rank; dp_cp: dp_rank * cp + cp_rank)."""
+        axes = axis_sizes(self.sizes)
+        coords = coords_at(axes, self.rank)
+        for name in GRID_ORDER:
+            setattr(self, f"{name}_size", axes[name])
+            setattr(self, f"{name}_rank", coords[name])
         for kind, spans in DERIVED_GROUPS.items():
             size, index = 1, 0
             for name in spans:
-                size, index = size * self.sizes[name], index * self.sizes[name] + coords[name]
+                size, index = size * axes[name], index * axes[name] + coords[name]
             setattr(self, f"{kind}_size", size)
             setattr(self, f"{kind}_rank", index)
 
     def _make_groups(self) -> None:
         """Every group of every kind, created in the same order on all ranks (creation is
         collective over the world); `<kind>_group` and `<kind>_ranks` are the ones holding
-        this rank."""
+        this rank. A kind whose groups equal an earlier kind's (ep = 1: edp_cp is dp_cp)
+        reuses those groups instead of creating them again."""
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for kind, spans in GROUP_KINDS.items():
             for ranks in kind_rank_lists(self.sizes, spans):
-                group = dist.new_group(ranks=ranks, timeout=self.timeout)
-                self._created_groups.append(group)
+                group = made.get(tuple(ranks))
+                if group is None:
+                    group = dist.new_group(ranks=ranks, timeout=self.timeout)
+                    self._created_groups.append(group)
+                    made[tuple(ranks)] = group
                 if self.rank in ranks:
                     setattr(self, f"{kind}_group", group)
                     setattr(self, f"{kind}_ranks", ranks)
@@ -239,10 +260,10 @@ class ParallelContext:
     ) -> int:
         """Global rank at the given coordinates."""
         coords = {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank, "cp": cp_rank}
-        for d in DIMENSIONS:
-            value, size = coords[d.name], self.sizes[d.name]
+        for name in coords:
+            value, size = coords[name], self.sizes[name]
             if not 0 <= value < size:
-                raise ParallelConfigError(f"{d.name}_rank={value} is outside [0, {size})")
+                raise ParallelConfigError(f"{name}_rank={value} is outside [0, {size})")
         return rank_at(self.sizes, coords)
 
     @property
@@ -309,6 +330,6 @@ class ParallelContext:
         return (
             f"ParallelContext(rank={self.rank}/{self.world_size}, dp={self.dp_rank}/{self.dp_size}, "
             f"tp={self.tp_rank}/{self.tp_size}, pp={self.pp_rank}/{self.pp_size}, "
-            f"cp={self.cp_rank}/{self.cp_size}, "
+            f"cp={self.cp_rank}/{self.cp_size}, ep={self.ep_rank}/{self.ep_size}, "
             f"backend={self.backend})"
         )
