@@ -41,7 +41,7 @@ def test_a_previous_release_database_upgrades_in_place(db_url):
         cols = {col["name"] for col in inspect(c).get_columns("timelines")}
         version = c.execute(text("SELECT value FROM meta WHERE key='schema_version'")).scalar()
     engine.dispose()
-    assert SCHEMA_VERSION == 3 and version == "3" and "clock" in cols
+    assert SCHEMA_VERSION == 4 and version == "4" and "clock" in cols
     with TestClient(create_app(Settings(db=db_url)), base_url=LOCAL, headers=JSON_HEADERS) as s:
         assert s.get("/api/runs/old/metrics?names=lm_loss").json()["series"]["lm_loss"]["y"] == [
             2.5

@@ -194,7 +194,7 @@ ENTRY = BASE["ranks"][0]
         ({**BASE, "ranks": [ENTRY, ENTRY]}, "each rank must appear once"),
         ({**BASE, "ranks": [{**ENTRY, "step_ms": -1.0}]}, "ranks.0.step_ms"),
         ({**BASE, "ranks": [{**ENTRY, "compute_ms": "nan"}]}, "ranks.0.compute_ms"),
-        ({**BASE, "ranks": [{**ENTRY, "extra": 1}]}, "ranks.0.extra"),
+        ({**BASE, "ranks": [{**ENTRY, "extra": 1}]}, "ranks.0: Value error, unknown field 'extra'"),
         ({**BASE, "ranks": [{**ENTRY, "host": "h" * 201}]}, "ranks.0.host"),
         ({**BASE, "ranks": []}, "ranks"),
         ({**BASE, "step": 2**63}, "step"),

@@ -174,7 +174,21 @@ rank_stats = Table(
     Column("n", Integer, nullable=False),  # entries (ranks)
     Column("coords", LargeBinary, nullable=False),  # int64 (rank, dp, tp, pp, cp) per entry
     Column("hosts", Text, nullable=False),  # JSON list, one per entry
-    Column("vals", LargeBinary, nullable=False),  # float64 n x len(RANK_FIELDS), NaN = null
+    Column("vals", LargeBinary, nullable=False),  # float64 n x len(fields), NaN = null
+    Column("fields", Text),  # JSON list of the vals' column names; NULL: LEGACY_RANK_FIELDS
+    sqlite_with_rowid=False,
+)
+
+# One row per (run, MoE layer, logged step): tokens routed to each expert (moe_store.py).
+moe_load = Table(
+    "moe_load",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("layer", Integer, primary_key=True),
+    Column("step", Int64, primary_key=True),
+    Column("time", Float, nullable=False),
+    Column("n", Integer, nullable=False),  # experts
+    Column("counts", LargeBinary, nullable=False),  # int64 little-endian, one per expert
     sqlite_with_rowid=False,
 )
 
@@ -251,7 +265,9 @@ run_stall = Table(
     Column("heartbeat", Float, nullable=False),
 )
 
-TELEMETRY_TABLES = ("rank_stats", "timelines", "events", "samples", "run_labels", "run_stall")
+TELEMETRY_TABLES = (
+    "rank_stats", "timelines", "events", "samples", "run_labels", "run_stall", "moe_load"
+)  # fmt: skip
 
 
 def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:

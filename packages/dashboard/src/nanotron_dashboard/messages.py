@@ -30,6 +30,7 @@ from .fields import (  # noqa: F401 - re-exported: other modules import the limi
     Topology,
     json_depth,
 )
+from .moe_messages import MoELoad
 from .telemetry_messages import Event, PipelineTimeline, RankStats, Samples
 
 
@@ -111,6 +112,7 @@ AnyMessage = (
     | PipelineTimeline
     | Event
     | Samples
+    | MoELoad
 )
 Message = Annotated[AnyMessage, Field(discriminator="type")]
 _adapter: TypeAdapter[Any] = TypeAdapter(Message)

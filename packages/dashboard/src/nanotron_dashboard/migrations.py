@@ -28,10 +28,21 @@ def _to_3(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE timelines ADD COLUMN clock TEXT NOT NULL DEFAULT '{}'"))
 
 
+def _to_4(conn: Connection) -> None:
+    """Adds moe_load (create_all makes it) and rank_stats.fields: the names of the columns a
+    row's packed values hold (NULL: the twelve fields of earlier releases), so that a phase
+    new to this release (all_to_all_ms) or unknown to it is stored and shown by its name."""
+    insp = inspect(conn)
+    if "rank_stats" not in insp.get_table_names():
+        return
+    if "fields" not in {c["name"] for c in insp.get_columns("rank_stats")}:
+        conn.execute(text("ALTER TABLE rank_stats ADD COLUMN fields TEXT"))
+
+
 # version -> the step that upgrades a database of the version before it.
 # 1: first release. 2: adds series_blocks (filled from metrics when a version-1 file opens).
-# 3: adds timelines.clock.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _to_2, 3: _to_3}
+# 3: adds timelines.clock. 4: adds moe_load and rank_stats.fields.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _to_2, 3: _to_3, 4: _to_4}
 SCHEMA_VERSION = max(MIGRATIONS)
 
 

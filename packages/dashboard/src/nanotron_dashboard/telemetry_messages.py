@@ -7,6 +7,8 @@ contract in README describe what the trainer sends.
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -46,7 +48,13 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A phase this release does not know (a new communication the trainer times): shown by its name.
+PHASE_NAME = r"^[a-z][a-z0-9_]{0,47}_ms$"
+MAX_EXTRA_PHASES = 8  # distinct unknown phases in one message
+
+
 class RankEntry(_Part):
+    model_config = ConfigDict(extra="allow")  # unknown phases: checked by _phases
     rank: Coord
     host: Text | None = None
     dp: Coord
@@ -56,6 +64,7 @@ class RankEntry(_Part):
     step_ms: NonNeg
     compute_ms: NonNeg | None = None
     tp_comm_ms: NonNeg | None = None
+    all_to_all_ms: NonNeg | None = None  # expert parallel's dispatch and combine
     pp_wait_ms: NonNeg | None = None
     dp_wait_ms: NonNeg | None = None
     optimizer_ms: NonNeg | None = None
@@ -66,12 +75,46 @@ class RankEntry(_Part):
     gpu_power_w: NonNeg | None = None
     cpu_util_pct: NonNeg | None = None
 
+    @model_validator(mode="after")
+    def _phases(self) -> RankEntry:
+        extra = self.model_extra or {}
+        if len(extra) > MAX_EXTRA_PHASES:
+            raise ValueError(f"{len(extra)} unknown fields, over the limit of {MAX_EXTRA_PHASES}")
+        for k, v in extra.items():
+            if not re.match(PHASE_NAME, k):
+                raise ValueError(f"unknown field {k[:60]!r}: a phase is named like 'name_ms'")
+            if v is not None and not (isinstance(v, int | float) and 0 <= v < math.inf):
+                raise ValueError(f"{k}: a phase time is a finite number >= 0 or null")
+            if isinstance(v, bool):
+                raise ValueError(f"{k}: a phase time is a number, not a boolean")
+        return self
 
-# the numeric fields of a RankEntry, in the order the database packs them
+    def phases(self) -> dict[str, float | None]:
+        """The unknown phases' times, by field name."""
+        return dict(self.model_extra or {})
+
+
+# the numeric fields of a RankEntry, in the order the database packs them by default; a row
+# stored by an earlier release packs LEGACY_RANK_FIELDS (rank_stats.fields is NULL)
+LEGACY_RANK_FIELDS = (
+    "step_ms",
+    "compute_ms",
+    "tp_comm_ms",
+    "pp_wait_ms",
+    "dp_wait_ms",
+    "optimizer_ms",
+    "data_ms",
+    "mem_bytes",
+    "mem_reserved_bytes",
+    "gpu_util_pct",
+    "gpu_power_w",
+    "cpu_util_pct",
+)
 RANK_FIELDS = (
     "step_ms",
     "compute_ms",
     "tp_comm_ms",
+    "all_to_all_ms",
     "pp_wait_ms",
     "dp_wait_ms",
     "optimizer_ms",
@@ -100,6 +143,9 @@ class RankStats(Msg):
     def _unique(cls, v: list[RankEntry]) -> list[RankEntry]:
         if len({r.rank for r in v}) != len(v):
             raise ValueError("each rank must appear once")
+        names = {k for r in v for k in r.phases()}
+        if len(names) > MAX_EXTRA_PHASES:
+            raise ValueError(f"{len(names)} unknown phases, over the limit of {MAX_EXTRA_PHASES}")
         return v
 
     def memory_bytes(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ from sqlalchemy.engine import Connection
 
 from .backend import qmarks
 from .errors import DashboardError
-from .telemetry_messages import RANK_FIELDS
+from .telemetry_messages import LEGACY_RANK_FIELDS, PHASE_NAME, RANK_FIELDS
 
 # numbers in one heatmap response (ranks x steps x fields): ~10 MB of JSON at most
 HEATMAP_NUMBERS = 1_000_000
@@ -21,10 +22,15 @@ def _floats(a: np.ndarray) -> list[float | None]:
     return [None if v != v else float(v) for v in a.tolist()]  # NaN (a null) -> None
 
 
-def _ranks_of(conn: Connection, pk: int, step: int) -> list[dict[str, Any]]:
-    """The ranks of one interval, by rank, with their coordinates and hosts."""
+def _names(fields: str | None) -> list[str]:
+    """The column names of a row's packed values (NULL: a row of an earlier release)."""
+    return json.loads(fields) if fields else list(LEGACY_RANK_FIELDS)
+
+
+def _ranks_of(conn: Connection, pk: int, step: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ranks of one interval, by rank, with their coordinates and hosts; its fields."""
     newest = conn.exec_driver_sql(
-        "SELECT n, coords, hosts FROM rank_stats WHERE run_pk=? AND step=?", (pk, step)
+        "SELECT n, coords, hosts, fields FROM rank_stats WHERE run_pk=? AND step=?", (pk, step)
     ).first()
     coords = np.frombuffer(newest[1], dtype="<i8").reshape(newest[0], 5)
     order = np.argsort(coords[:, 0], kind="stable")
@@ -33,7 +39,7 @@ def _ranks_of(conn: Connection, pk: int, step: int) -> list[dict[str, Any]]:
         {"rank": int(c[0]), "dp": int(c[1]), "tp": int(c[2]), "pp": int(c[3]), "cp": int(c[4]),
          "host": hosts[i]}
         for c, i in zip(coords[order], order.tolist())
-    ]  # fmt: skip
+    ], _names(newest[3])  # fmt: skip
 
 
 def rank_stats(
@@ -50,9 +56,12 @@ def rank_stats(
     None there). At most `max_steps` intervals, evenly spaced and always the newest, fewer
     when ranks x steps x fields would exceed HEATMAP_NUMBERS; `total` says how many exist.
     """
-    unknown = [f for f in fields if f not in RANK_FIELDS]
+    unknown = [f for f in fields if f not in RANK_FIELDS and not re.match(PHASE_NAME, f)]
     if unknown:
-        raise DashboardError(f"unknown field(s) {', '.join(unknown)[:200]}; known: {RANK_FIELDS}")
+        raise DashboardError(
+            f"unknown field(s) {', '.join(unknown)[:200]}; known: {RANK_FIELDS} or a phase "
+            "named like 'name_ms'"
+        )
     lo = -1 if from_step is None else from_step
     hi = 2**63 - 1 if to_step is None else to_step
     steps = [
@@ -64,21 +73,26 @@ def rank_stats(
     ]
     out: dict[str, Any] = {"fields": fields, "total": len(steps), "steps": [], "times": []}
     out |= {"intervals": [], "ranks": [], "values": {f: [] for f in fields}}
+    out["available"] = list(RANK_FIELDS)  # and the phases the newest interval has
     if not steps:
         return out
-    out["ranks"] = _ranks_of(conn, pk, steps[-1])
+    out["ranks"], newest = _ranks_of(conn, pk, steps[-1])
+    out["available"] += [f for f in newest if f not in RANK_FIELDS]
     row_of = {r["rank"]: i for i, r in enumerate(out["ranks"])}
     budget = max(1, HEATMAP_NUMBERS // (len(row_of) * max(len(fields), 1)))
     k = max(1, min(max_steps, budget, len(steps)))
     picked = sorted({steps[int(round(i))] for i in np.linspace(0, len(steps) - 1, k)})
-    col = [RANK_FIELDS.index(f) for f in fields]
-    for step, t, interval, n, cbytes, vbytes in conn.exec_driver_sql(
-        "SELECT step, time, interval, n, coords, vals FROM rank_stats WHERE run_pk=? AND step "
-        f"IN {qmarks(len(picked))} ORDER BY step",
+    for step, t, interval, n, cbytes, vbytes, names in conn.exec_driver_sql(
+        "SELECT step, time, interval, n, coords, vals, fields FROM rank_stats WHERE run_pk=? "
+        f"AND step IN {qmarks(len(picked))} ORDER BY step",
         (pk, *picked),
     ):
+        have = _names(names)
         ranks = np.frombuffer(cbytes, dtype="<i8").reshape(n, 5)[:, 0]
-        vals = np.frombuffer(vbytes, dtype="<f8").reshape(n, len(RANK_FIELDS))
+        # a column of NaN at the end stands for the fields this row does not hold
+        vals = np.frombuffer(vbytes, dtype="<f8").reshape(n, len(have))
+        vals = np.concatenate([vals, np.full((n, 1), np.nan)], axis=1)
+        col = [have.index(f) if f in have else len(have) for f in fields]
         grid = np.full((len(row_of), len(fields)), np.nan)
         rows = np.array([row_of.get(int(r), -1) for r in ranks])
         keep = rows >= 0

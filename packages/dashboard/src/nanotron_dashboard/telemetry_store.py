@@ -16,7 +16,16 @@ from typing import Any
 import numpy as np
 from sqlalchemy.engine import Connection
 
-from .telemetry_messages import RANK_FIELDS, Event, PipelineTimeline, RankStats, Samples
+from .moe_messages import MoELoad
+from .moe_store import store_moe_load
+from .telemetry_messages import (
+    LEGACY_RANK_FIELDS,
+    RANK_FIELDS,
+    Event,
+    PipelineTimeline,
+    RankStats,
+    Samples,
+)
 
 EventDict = dict[str, Any]
 
@@ -40,19 +49,38 @@ class Side:
         self.notices.setdefault(ev["run_id"], []).append({"type": "event", **notice})
 
 
+def _columns(names: list[str], have: list[str], vals: np.ndarray) -> np.ndarray:
+    """`vals` (columns `have`) laid out as columns `names`, NaN where a name is missing."""
+    out = np.full((len(vals), len(names)), np.nan)
+    for j, name in enumerate(have):
+        out[:, names.index(name)] = vals[:, j]
+    return out
+
+
 def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool:
     """Merge the message's ranks into the step's row: a large world arrives as several
-    messages per step (disjoint ranks), and a replay overwrites its own ranks only."""
+    messages per step (disjoint ranks), and a replay overwrites its own ranks only. The row
+    names its columns: the known fields, then the phases this release does not know."""
+    extra = sorted({k for r in m.ranks for k in r.phases()})
+    names = [*RANK_FIELDS, *extra]
     coords = np.array([(r.rank, r.dp, r.tp, r.pp, r.cp) for r in m.ranks], dtype="<i8")
-    vals = np.array([[_nan(getattr(r, f)) for f in RANK_FIELDS] for r in m.ranks], dtype="<f8")
+    vals = np.array(
+        [[_nan(getattr(r, f)) for f in RANK_FIELDS] + [_nan(r.phases().get(f)) for f in extra]
+         for r in m.ranks],
+        dtype="<f8",
+    )  # fmt: skip
     hosts = [r.host for r in m.ranks]
     old = conn.exec_driver_sql(
-        "SELECT n, coords, hosts, vals FROM rank_stats WHERE run_pk=? AND step=?", (pk, m.step)
+        "SELECT n, coords, hosts, vals, fields FROM rank_stats WHERE run_pk=? AND step=?",
+        (pk, m.step),
     ).first()
     if old is not None:
         n = old[0]
+        have = json.loads(old[4]) if old[4] else list(LEGACY_RANK_FIELDS)
+        names += [f for f in have if f not in names]
         old_coords = np.frombuffer(old[1], dtype="<i8").reshape(n, 5)
-        old_vals = np.frombuffer(old[3], dtype="<f8").reshape(n, len(RANK_FIELDS))
+        old_vals = _columns(names, have, np.frombuffer(old[3], dtype="<f8").reshape(n, len(have)))
+        vals = _columns(names, names[: vals.shape[1]], vals)
         keep = ~np.isin(old_coords[:, 0], coords[:, 0])
         old_hosts = json.loads(old[2])
         coords = np.concatenate([old_coords[keep], coords])
@@ -61,10 +89,11 @@ def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool:
         order = np.argsort(coords[:, 0], kind="stable")
         coords, vals, hosts = coords[order], vals[order], [hosts[i] for i in order.tolist()]
     conn.exec_driver_sql(
-        "INSERT INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
+        "INSERT INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals, fields) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
         "time=excluded.time, interval=excluded.interval, n=excluded.n, "
-        "coords=excluded.coords, hosts=excluded.hosts, vals=excluded.vals",
+        "coords=excluded.coords, hosts=excluded.hosts, vals=excluded.vals, "
+        "fields=excluded.fields",
         (
             pk,
             m.step,
@@ -73,7 +102,8 @@ def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool:
             len(coords),
             coords.tobytes(),
             json.dumps(hosts),
-            vals.tobytes(),
+            np.ascontiguousarray(vals, dtype="<f8").tobytes(),
+            json.dumps(names),
         ),
     )
     return True
@@ -132,6 +162,7 @@ STORE: dict[type, Store] = {
     RankStats: store_rank_stats,
     PipelineTimeline: store_timeline,
     Samples: store_samples,
+    MoELoad: store_moe_load,
 }
 
 
