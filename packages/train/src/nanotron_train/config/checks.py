@@ -17,6 +17,7 @@ from nanotron_models.config import ModelConfigError
 from nanotron_parallel.pipeline import ENGINES
 from nanotron_train.config.context_parallel import CONTEXT_PARALLEL_CHECKS
 from nanotron_train.config.fault import FAULT_CHECKS
+from nanotron_train.config.moe import MOE_CHECKS
 from nanotron_train.config.muon import MUON_CHECKS
 from nanotron_train.config.perf import PERF_CHECKS
 from nanotron_train.config.rules import Check, at_least, below_one, positive, refused, run_checks
@@ -57,7 +58,6 @@ def _is_s3(path: str | None) -> bool:
 
 
 _ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps", "torch_adam_is_fused")
-_MOE_FEATURE = "expert parallelism (mixture-of-experts models)"
 _SECTION_FEATURES = {
     "lighteval": "LightEval evaluation runs",
     "s3_upload": "uploading checkpoints to S3",
@@ -88,7 +88,6 @@ CHECKS: tuple[Check, ...] = (
     at_least("parallelism.dp", 1),
     at_least("parallelism.tp", 1),
     at_least("parallelism.pp", 1),
-    refused("parallelism.expert_parallel_size", lambda v: v == 1, _MOE_FEATURE),
     Check(
         "parallelism.tp_linear_async_communication",
         lambda c: (
@@ -409,7 +408,7 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
     for i, stage in enumerate(cfg.data_stages):
         run_checks(STAGE_CHECKS, source, cfg, stage, index=i)
     for table in (
-        MUON_CHECKS, CONTEXT_PARALLEL_CHECKS, PERF_CHECKS, FAULT_CHECKS, VALIDATION_CHECKS,
+        MUON_CHECKS, MOE_CHECKS, CONTEXT_PARALLEL_CHECKS, PERF_CHECKS, FAULT_CHECKS, VALIDATION_CHECKS,
         TELEMETRY_CHECKS,
     ):  # fmt: skip
         run_checks(table, source, cfg)
