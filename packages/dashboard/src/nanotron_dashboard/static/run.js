@@ -205,7 +205,8 @@
   // Live points: appended to the current run's series (EMA continued exactly as the server's).
   function onPoints(msg) {
     if (msg.type === "run_changed") { loadRun(); return; }
-    if (NTT.onLive[msg.type]) { NTT.onLive[msg.type](); return; }
+    const live = NTT.onLive[msg.type] || NTM.onLive[msg.type];
+    if (live) { live(); return; }
     if (msg.type !== "points") return;
     const o = opt();
     const series = state.data[runId] || (state.data[runId] = {});
@@ -379,12 +380,13 @@
 
   (async () => {
     state.session = await NT.session();
-    NTT.init({ runId, state, api: (path) => NT.json("/api/runs/" + encodeURIComponent(runId) + path),
-      onEvents: () => Object.values(state.charts).forEach((e) => e.plot.redraw()) });
+    const api = (path) => NT.json("/api/runs/" + encodeURIComponent(runId) + path);
+    NTT.init({ runId, state, api, onEvents: () => Object.values(state.charts).forEach((e) => e.plot.redraw()) });
+    NTM.init({ runId, state, api });
     $("delete").addEventListener("click", deleteRun);
     try { await loadRun(); } catch (e) { $("error").textContent = String(e.message || e); return; }
     await reload();
-    NTT.loadAll().catch((e) => { $("error").textContent = String(e.message || e); });
+    Promise.all([NTT.loadAll(), NTM.load()]).catch((e) => { $("error").textContent = String(e.message || e); });
     loadCompareChoices();
     NT.live("/ws/runs/" + encodeURIComponent(runId), onPoints, scheduleReload);
   })();

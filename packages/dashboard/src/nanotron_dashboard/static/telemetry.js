@@ -10,7 +10,8 @@ const NTT = (() => {
   const SPAN_COLORS = ["#2b7de9", "#e9692b", "#2e9d4c", "#9b3fd1", "#d2333f", "#11949b"];
   const FIELDS = {
     step_ms: "step time (ms)", busy_ms: "not waiting: compute + optimizer + data (ms)",
-    compute_ms: "compute (ms)", tp_comm_ms: "tp communication (ms)", pp_wait_ms: "pipeline wait (ms)",
+    compute_ms: "compute (ms)", tp_comm_ms: "tp communication (ms)",
+    all_to_all_ms: "expert all-to-all (ms)", pp_wait_ms: "pipeline wait (ms)",
     dp_wait_ms: "dp reduction wait (ms)", optimizer_ms: "optimizer (ms)", data_ms: "data (ms)",
     mem_bytes: "peak memory (bytes)", mem_reserved_bytes: "reserved memory (bytes)",
     gpu_util_pct: "GPU utilisation (%)", gpu_power_w: "GPU power (W)", cpu_util_pct: "CPU utilisation (%)",
@@ -57,7 +58,16 @@ const NTT = (() => {
       }));
     }
     view.heat = { h, field };
+    addPhases(h.available || []);
     drawHeat();
+  }
+
+  // A phase the trainer timed that this page does not know ("name_ms") is listed by its own
+  // label, made from its name: a new communication shows up without a dashboard release.
+  const label = (f) => FIELDS[f] || f.replace(/_ms$/, "").replace(/_/g, " ") + " (ms, phase)";
+  function addPhases(available) {
+    const sel = $("heat-field"), have = new Set([...sel.options].map((o) => o.value));
+    for (const f of available) if (!have.has(f)) sel.append(NT.el("option", { value: f, "data-phase": "unknown" }, label(f)));
   }
 
   function stragglerRanks() {
@@ -134,7 +144,7 @@ const NTT = (() => {
       g.fillText(String(h.steps[j]), left + j * cellW, top + ranks.length * cellH + 6);
     }
     drawScale($("heat-scale"));
-    $("heat-legend").textContent = FIELDS[field] + ": colour = deviation from each interval's median (blue faster, red slower, " +
+    $("heat-legend").textContent = label(field) + ": colour = deviation from each interval's median (blue faster, red slower, " +
       "\u00b1" + HEAT_RANGE * 100 + "% and beyond saturated); values " + (lo === Infinity ? "none" : fieldValue(field, lo) + " .. " + fieldValue(field, hi)) +
       " · columns: intervals, labelled by their last step · " + h.steps.length + " of " + h.total + " intervals" +
       (h.ranks.length > MAX_ROWS ? " · first " + MAX_ROWS + " ranks" : "");
@@ -377,7 +387,7 @@ const NTT = (() => {
 
   const safe = (fn) => () => fn().catch((e) => { $("error").textContent = String(e.message || e); });
   return {
-    init, showLabels, markersPlugin, loadAll: () => Promise.all([loadHeat(), loadTimelines(), loadEvents(), loadSamples()]),
+    init, showLabels, markersPlugin, canvas, ramp, loadAll: () => Promise.all([loadHeat(), loadTimelines(), loadEvents(), loadSamples()]),
     onLive: {
       rank_stats: NT.throttle(safe(loadHeat), 1000), pipeline_timeline: NT.throttle(safe(loadTimelines), 1000),
       event: NT.throttle(safe(loadEvents), 500), samples: NT.throttle(safe(loadSamples), 1000),
