@@ -199,7 +199,7 @@ def test_mask_by_index_and_flex_kernel_equal_explicit_sdpa():
 @pytest.mark.parametrize(
     "changes, expect",
     [
-        ({"moe_config": {"num_experts": 8}}, "model_config.moe_config (mixture-of-experts layers)"),
+        ({"moe_config": {"num_experts": 2, "top_k": 3}}, "model_config.moe_config.top_k (3) must"),
         ({"no_rope_layer": 3}, "model_config.no_rope_layer (3) must divide num_hidden_layers"),
         ({"flex_attention_mask": "document"}, "model_config.flex_attention_mask is set but"),
         ({"_use_qkv_packed": False}, "model_config._use_qkv_packed: false"),

@@ -284,6 +284,7 @@ class DecoderLayer(nn.Module):
         backend: str,
         device=None,
         dtype=None,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         eps, h = config.rms_norm_eps, config.hidden_size
@@ -292,7 +293,8 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(h, eps, group, sp, device, dtype, fused)
         self.attn = Attention(config, layer, group, mode, rotary, backend, device, dtype)
         self.post_attn_norm = RMSNorm(h, eps, group, sp, device, dtype, fused)
-        self.mlp = MLP(config, group, mode, device, dtype)
+        # `mlp`: another feed-forward block (a mixture of experts: model.py builds it)
+        self.mlp = mlp if mlp is not None else MLP(config, group, mode, device, dtype)
 
     def forward(
         self, x: torch.Tensor, batch: Batch, *, kv_cache: KVCache | None = None

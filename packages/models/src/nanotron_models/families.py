@@ -31,6 +31,7 @@ from .hf import (
     our_full_state_dict_to_hf,
 )
 from .hf_qwen2 import qwen2_architecture, qwen2_config_from_hf, qwen2_config_to_hf
+from .hf_qwen2_moe import qwen2_moe_config_from_hf, qwen2_moe_config_to_hf
 from .init import InitSpec, llama_init_spec
 from .model import TIED_KEY, build_llama_stage
 from .qwen2 import Qwen2Config
@@ -104,21 +105,38 @@ LLAMA = ModelFamily(
     yaml_marker="is_llama_config",
 )
 
+
+def _qwen2_from_hf(hf_config: Any):
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+    if get("model_type") == "qwen2_moe":
+        return qwen2_moe_config_from_hf(hf_config)
+    return qwen2_config_from_hf(hf_config)
+
+
+def _qwen2_to_hf(config: Qwen2Config):
+    return qwen2_moe_config_to_hf(config) if config.moe_config else qwen2_config_to_hf(config)
+
+
+def _qwen2_architecture(config: Qwen2Config) -> str:
+    return "Qwen2MoeForCausalLM" if config.moe_config else qwen2_architecture(config)
+
+
 # Nanotron's Qwen2 (SmolLM3's architecture): Llama's blocks and names, the family's attention
-# said by its config (q/k/v biases, NoPE layers, sliding windows, document masking).
+# said by its config (q/k/v biases, NoPE layers, sliding windows, document masking), and its
+# mixture-of-experts layers (moe_config: Hugging Face's Qwen2-MoE).
 QWEN2 = dataclasses.replace(
     LLAMA,
     name="qwen2",
     config_class=Qwen2Config,
     hf=HFMapping(
         model_type="qwen2",
-        architectures=("Qwen2ForCausalLM", "SmolLM3ForCausalLM"),
-        config_from_hf=qwen2_config_from_hf,
-        config_to_hf=qwen2_config_to_hf,
+        architectures=("Qwen2ForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM"),
+        config_from_hf=_qwen2_from_hf,
+        config_to_hf=_qwen2_to_hf,
         state_dict_from_hf=hf_state_dict_to_ours_full,
         state_dict_to_hf=our_full_state_dict_to_hf,
-        model_types=("qwen2", "smollm3"),
-        architecture_of=qwen2_architecture,
+        model_types=("qwen2", "smollm3", "qwen2_moe"),
+        architecture_of=_qwen2_architecture,
     ),
     yaml_marker="is_qwen2_config",
 )

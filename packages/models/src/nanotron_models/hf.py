@@ -15,6 +15,7 @@ from nanotron_parallel.sharding import shard_tensor
 
 from .config import LlamaConfig, ModelConfigError
 from .init import llama_init_spec
+from .moe.config import moe_layers_of
 
 
 class HFConversionError(ValueError):
@@ -115,7 +116,10 @@ def config_to_hf(config: LlamaConfig) -> Any:
 
 def hf_state_dict_to_ours_full(hf_sd: dict[str, torch.Tensor], config: LlamaConfig) -> dict:
     """HF names/layout -> our global names, full (unsharded, unpadded) tensors."""
+    from .hf_qwen2_moe import moe_mlp_from_hf  # (it imports this module)
+
     out: dict[str, torch.Tensor] = {}
+    moe = moe_layers_of(config)
 
     def take(key: str) -> torch.Tensor:
         if key not in hf_sd:
@@ -135,6 +139,9 @@ def hf_state_dict_to_ours_full(hf_sd: dict[str, torch.Tensor], config: LlamaConf
             out[f"{ours}.attn.qkv.bias"] = torch.cat(biases, dim=0)
         if config.o_proj_bias:
             out[f"{ours}.attn.o_proj.bias"] = take(f"{hf}.self_attn.o_proj.bias")
+        if i in moe:
+            out.update(moe_mlp_from_hf(take, hf_sd.__contains__, hf, ours, config))
+            continue
         gate_up = [take(f"{hf}.mlp.{p}_proj.weight") for p in ("gate", "up")]
         out[f"{ours}.mlp.gate_up.weight"] = torch.cat(gate_up, dim=0)
         out[f"{ours}.mlp.down.weight"] = take(f"{hf}.mlp.down_proj.weight")
@@ -185,9 +192,12 @@ def our_full_state_dict_to_hf(
     full_sd: dict[str, torch.Tensor], config: LlamaConfig
 ) -> dict[str, torch.Tensor]:
     """Our full (gathered over tp, padded or not) state dict -> HF names and layout."""
+    from .hf_qwen2_moe import moe_mlp_to_hf  # (it imports this module)
+
     c = config
     d = c.head_dim
     q, kv = c.num_attention_heads * d, c.n_kv_heads * d
+    moe = moe_layers_of(config)
     out: dict[str, torch.Tensor] = {}
     out["model.embed_tokens.weight"] = full_sd["embedding.weight"][: c.vocab_size]
     for i in range(c.num_hidden_layers):
@@ -204,10 +214,13 @@ def our_full_state_dict_to_hf(
             out[f"{hf}.self_attn.v_proj.bias"] = vb
         if c.o_proj_bias:
             out[f"{hf}.self_attn.o_proj.bias"] = full_sd[f"{ours}.attn.o_proj.bias"]
-        gate, up = torch.chunk(full_sd[f"{ours}.mlp.gate_up.weight"], 2, dim=0)
-        out[f"{hf}.mlp.gate_proj.weight"] = gate
-        out[f"{hf}.mlp.up_proj.weight"] = up
-        out[f"{hf}.mlp.down_proj.weight"] = full_sd[f"{ours}.mlp.down.weight"]
+        if i in moe:
+            out.update(moe_mlp_to_hf(full_sd, hf, ours, c))
+        else:
+            gate, up = torch.chunk(full_sd[f"{ours}.mlp.gate_up.weight"], 2, dim=0)
+            out[f"{hf}.mlp.gate_proj.weight"] = gate
+            out[f"{hf}.mlp.up_proj.weight"] = up
+            out[f"{hf}.mlp.down_proj.weight"] = full_sd[f"{ours}.mlp.down.weight"]
         for hf_norm, our_norm in _LAYER_NORMS.items():
             out[f"{hf}.{hf_norm}.weight"] = full_sd[f"{ours}.{our_norm}.weight"]
     out["model.norm.weight"] = full_sd["final_norm.weight"]

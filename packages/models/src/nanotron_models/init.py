@@ -32,6 +32,7 @@ class InitSpec:
     shard_dim: int | None  # None -> replicated over tp
     sections: tuple[int, ...] | None = None
     pad_rows_to: int | None = None  # vocab padding: zero rows appended up to this size
+    experts: bool = False  # dim 0 indexes the global experts: a rank keeps its local ones
 
 
 def full_tensor(spec: InitSpec, seed: int) -> torch.Tensor:
@@ -90,4 +91,28 @@ def llama_init_spec(
         return InitSpec(name, (2 * inter, h), init_std, 0, (inter, inter))
     if name.endswith("mlp.down.weight"):
         return InitSpec(name, (h, inter), scaled, 1)
+    if ".mlp." in name and getattr(c, "moe_config", None) is not None:
+        return moe_init_spec(c, name, init_std, scaled)
+    raise KeyError(f"no initialisation rule for parameter {name!r}")
+
+
+def moe_init_spec(c, name: str, init_std: float, scaled: float) -> InitSpec:
+    """A MoE block's parameters (moe/): the router, the shared expert's gate and the routed
+    experts replicated over tp, the experts generated whole over every expert (so any expert
+    parallel size starts from the same weights); the shared expert is a tp-sharded MLP, its
+    output projection scaled as the dense one's."""
+    m, h = c.moe_config, c.hidden_size
+    moe_inter, shared = m.moe_intermediate_size, m.shared_expert_intermediate_size
+    if name.endswith("mlp.router.weight"):
+        return InitSpec(name, (m.num_experts, h), init_std, None)
+    if name.endswith("mlp.experts.gate_up_proj"):
+        return InitSpec(name, (m.num_experts, h, 2 * moe_inter), init_std, None, experts=True)
+    if name.endswith("mlp.experts.down_proj"):
+        return InitSpec(name, (m.num_experts, moe_inter, h), scaled, None, experts=True)
+    if name.endswith("mlp.shared_expert.gate_up.weight"):
+        return InitSpec(name, (2 * shared, h), init_std, 0, (shared, shared))
+    if name.endswith("mlp.shared_expert.down.weight"):
+        return InitSpec(name, (h, shared), scaled, 1)
+    if name.endswith("mlp.shared_expert_gate.weight"):
+        return InitSpec(name, (1, h), init_std, None)
     raise KeyError(f"no initialisation rule for parameter {name!r}")

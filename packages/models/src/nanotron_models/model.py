@@ -10,8 +10,10 @@ from torch.utils.checkpoint import checkpoint
 
 from nanotron_parallel.sharding import (
     ParamMeta,
+    expert_shard,
     gather_full,
     get_param_meta,
+    mark_expert_param,
     set_param_meta,
     shard_tensor,
 )
@@ -30,6 +32,7 @@ from .flops import llama_block_names
 from .init import full_tensor, llama_init_spec
 from .kv_cache import KVCache
 from .masks import DOCUMENT_IDS_KEY, document_ids
+from .moe import MoEBlock, moe_layers_of
 from .rotary import RotaryTable
 
 TIED_KEY = "embedding.weight"
@@ -54,6 +57,7 @@ class LlamaStage(nn.Module):
         attn_backend: str,
         device,
         dtype,
+        dispatcher=None,
     ):
         super().__init__()
         self.config, self.pc, self.block_names = config, pc, list(block_names)
@@ -65,9 +69,19 @@ class LlamaStage(nn.Module):
         if "embedding" in block_names:
             self.embedding = Embedding(vpad, c.hidden_size, group, tp_mode, **kw)
         layers = [int(n.split(".")[1]) for n in block_names if n.startswith("decoder.")]
+        moe = moe_layers_of(c)  # these layers' MLP is a mixture of experts (moe/)
         self.decoder = nn.ModuleDict(
             {
-                str(i): DecoderLayer(c, i, group, tp_mode, self.rotary, attn_backend, **kw)
+                str(i): DecoderLayer(
+                    c,
+                    i,
+                    group,
+                    tp_mode,
+                    self.rotary,
+                    attn_backend,
+                    **kw,
+                    mlp=MoEBlock(c, i, group, tp_mode, dispatcher, **kw) if i in moe else None,
+                )
                 for i in layers
             }
         )
@@ -110,7 +124,7 @@ class LlamaStage(nn.Module):
                 )
             elif isinstance(module, VocabParallelEmbedding):
                 module.set_communication(mode, tensor_collectives)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, MoEBlock)):
                 module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
 
     def set_context_parallel(
@@ -128,6 +142,8 @@ class LlamaStage(nn.Module):
         sequences."""
         for layer in self.decoder.values():
             layer.attn.set_context_parallel(group, size, native_reduce_scatter, attention)
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.set_context_parallel(group, size)
         if hasattr(self, "loss"):
             self.loss.cp_size = size
 
@@ -316,11 +332,14 @@ def build_llama_stage(
     device: torch.device | str | None = None,
     attn_backend: str | None = None,
     scaling_method: str = "NUM_LAYERS",
+    dispatcher=None,
 ) -> LlamaStage:
     """Build the named contiguous blocks with this rank's tp shards, initialised from `seed`.
 
     init_std defaults to config.initializer_range; attn_backend to config.attention_backend
-    (attn_backend, else Nanotron's _attn_implementation); scaling_method: see init.py.
+    (attn_backend, else Nanotron's _attn_implementation); scaling_method: see init.py;
+    dispatcher: how MoE layers reach their experts (nanotron_parallel.expert_parallel; None:
+    every expert on this rank), which also says which experts this rank holds.
     """
     config.validate(pc.tp_size)
     names = llama_block_names(config)
@@ -336,7 +355,9 @@ def build_llama_stage(
     std = config.initializer_range if init_std is None else init_std
     device = torch.device(device) if device is not None else torch.device(pc.device)
     # Build on the meta device (no memory, no throw-away init), then fill every parameter.
-    stage = LlamaStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype)
+    stage = LlamaStage(
+        config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype, dispatcher
+    )
     _materialise(stage, config, pc, seed, std, device, dtype, scaling_method)
     return stage
 
@@ -367,7 +388,12 @@ def _materialise(stage: LlamaStage, config, pc, seed, std, device, dtype, scalin
             if spec.shard_dim is None
             else shard_tensor(full, spec.shard_dim, rank, tp, sections)
         )
+        module, attr = _owner(stage, name)
+        if spec.experts:  # this rank's experts of the full tensor: the same at any ep size
+            data = data.narrow(0, module.first_local_expert, module.num_local_experts)
         param = nn.Parameter(data.to(device=device, dtype=dtype))
+        if spec.experts:
+            mark_expert_param(param, spec.full_shape[0], module.first_local_expert)
         tied = config.tie_word_embeddings and name in ("embedding.weight", "lm_head.weight")
         if spec.shard_dim is not None or tied:
             set_param_meta(
@@ -381,8 +407,11 @@ def _materialise(stage: LlamaStage, config, pc, seed, std, device, dtype, scalin
                     tied_key=TIED_KEY if tied else None,
                 ),
             )
-        module, attr = _owner(stage, name)
         setattr(module, attr, param)
+    for name, buffer in list(stage.named_buffers()):  # the sigmoid router's bias: zeros
+        if buffer.is_meta:
+            module, attr = _owner(stage, name)
+            setattr(module, attr, torch.zeros(buffer.shape, device=device, dtype=buffer.dtype))
     if tied_here:
         stage.lm_head.weight = stage.embedding.weight
 
@@ -421,4 +450,7 @@ def load_full_state_dict(stage: LlamaStage, full_sd: dict[str, torch.Tensor]) ->
         {n: full_sd[n] for n in own}, stage.config, stage.pc.tp_rank, stage.pc.tp_size
     )
     for name, param in own.items():
-        param.copy_(shards[name].to(param.dtype))
+        shard, experts = shards[name], expert_shard(param)
+        if experts is not None:  # full over every expert: this rank's ones
+            shard = shard.narrow(0, experts.first_local_expert, experts.num_local_experts)
+        param.copy_(shard.to(param.dtype))

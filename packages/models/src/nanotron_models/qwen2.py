@@ -31,6 +31,7 @@ from .config import (
     _positive_int,
     _positive_number,
 )
+from .moe.config import MoEConfig, moe_config_error
 
 # Nanotron's `_attn_implementation` values -> our kernels. flash_attention_2 (and Nanotron's
 # context-parallel llama3_ring_attention, which is flash-attn varlen over gathered keys) run
@@ -91,7 +92,8 @@ class Qwen2Config(DecoderConfig):
     # Nanotron's llama3_ring_attention gathers this many kv heads per round (a memory bound);
     # the all-gather here takes every kv head at once, which computes the same.
     ring_attn_heads_k_stride: int | None = None
-    moe_config: Any = None
+    # Mixture-of-experts layers (moe/config.py: Nanotron's MoEConfig keys and ours).
+    moe_config: MoEConfig | None = None
     # Ours, as Llama's: which attention kernel ("auto": from _attn_implementation).
     attn_backend: str = "auto"
 
@@ -100,6 +102,7 @@ class Qwen2Config(DecoderConfig):
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        self.moe_config = MoEConfig.of(self.moe_config)  # a checkpoint's or HF's mapping
 
     def checks(self) -> tuple[ModelCheck, ...]:
         return QWEN2_CHECKS
@@ -179,11 +182,10 @@ QWEN2_CHECKS: tuple[ModelCheck, ...] = (
         lambda c, tp: f"{_MC}.is_qwen2_config must be true in a Qwen2 config",
     ),
     _row(
-        lambda c, tp: c.moe_config is None,
         lambda c, tp: (
-            f"{_MC}.moe_config (mixture-of-experts layers) is not implemented here yet; "
-            "set it to null"
+            c.moe_config is None or moe_config_error(c.moe_config, c.num_hidden_layers) is None
         ),
+        lambda c, tp: moe_config_error(c.moe_config, c.num_hidden_layers),
     ),
     _row(
         lambda c, tp: c._attn_implementation in QWEN2_ATTENTION,

@@ -1,0 +1,181 @@
+"""Hugging Face interop of Qwen2 with `moe_config`: `Qwen2MoeForCausalLM` (model_type
+qwen2_moe), configs and state dicts both ways.
+
+Layers: HF makes layer i sparse unless it is in `mlp_only_layers` or (i + 1) is not a multiple
+of `decoder_sparse_step`; ours are `moe_config.layers`. Reading takes HF's set whatever its
+spelling; writing spells it as `mlp_only_layers` with a step of 1.
+
+Weights: HF's router is `mlp.gate.weight` [E, H] (ours `mlp.router.weight`). Its experts come
+either fused, as a transformers 5 model holds them (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]), or per expert, as checkpoints on the Hub store them and
+transformers writes them (`mlp.experts.<j>.{gate,up,down}_proj.weight`); both are read, the
+per-expert layout is written. Ours are stacked the other way round ([E, H, 2I] and [E, I, H]:
+rows are tokens in the grouped matmul), so each is transposed. HF always has a shared expert
+with its sigmoid gate: a model without one is written with a shared expert of size 0.
+
+Not expressible in HF (refused in one line): the sigmoid_bias router, NoPE layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import ModelConfigError
+from .hf import import_transformers
+from .moe.config import MoEConfig
+from .qwen2 import Qwen2Config
+
+
+def qwen2_moe_config_from_hf(hf_config: Any) -> Qwen2Config:
+    """Our Qwen2Config with moe_config from a transformers Qwen2MoeConfig (object or dict)."""
+    from .hf_qwen2 import _getter, _rope, _window
+
+    get = _getter(hf_config)
+    layers = get("num_hidden_layers")
+    step = get("decoder_sparse_step") or 1
+    dense = set(get("mlp_only_layers") or [])
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    if not sparse or not get("num_experts"):
+        raise ModelConfigError("qwen2_moe config has no sparse layer: convert it as qwen2")
+    shared = get("shared_expert_intermediate_size") or 0
+    eos = get("eos_token_id")
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if get("head_dim") not in (None, hidden // heads):
+        raise ModelConfigError("head_dim != hidden_size/num_attention_heads is not supported")
+    config = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size"),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=get("num_key_value_heads"),
+        vocab_size=get("vocab_size"),
+        max_position_embeddings=get("max_position_embeddings"),
+        rms_norm_eps=get("rms_norm_eps"),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        hidden_act=get("hidden_act", "silu"),
+        initializer_range=get("initializer_range", 0.02),
+        bos_token_id=get("bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=get("pad_token_id"),
+        attention_bias=bool(get("qkv_bias", True)),
+        moe_config=MoEConfig(
+            num_experts=get("num_experts"),
+            top_k=get("num_experts_per_tok"),
+            moe_intermediate_size=get("moe_intermediate_size"),
+            shared_expert_intermediate_size=shared if shared else 5632,
+            enable_shared_expert=bool(shared),
+            router_aux_loss_coef=float(get("router_aux_loss_coef", 0.001)),
+            norm_topk_prob=bool(get("norm_topk_prob", False)),
+            layers=[-1] if len(sparse) == layers else sparse,
+        ),
+        **_rope(get),
+    )
+    _window(get, config)
+    return config
+
+
+def qwen2_moe_config_to_hf(config: Qwen2Config) -> Any:
+    """A transformers Qwen2MoeConfig of the same model."""
+    from .hf_qwen2 import _hf_rope
+
+    transformers = import_transformers()
+    c, m = config, config.moe_config
+    if m.router != "softmax":
+        raise ModelConfigError(
+            f"model_config.moe_config.router {m.router!r} has no Hugging Face Qwen2-MoE "
+            "equivalent (its router is softmax top-k)"
+        )
+    if c.no_rope_layer is not None:
+        raise ModelConfigError("model_config.no_rope_layer: Qwen2-MoE has no NoPE layers")
+    layers = c.num_hidden_layers
+    moe = set(m.moe_layers(layers))
+    window = c.sliding_window_size
+    return transformers.Qwen2MoeConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=_hf_rope(c),
+        tie_word_embeddings=c.tie_word_embeddings,
+        hidden_act=c.hidden_act,
+        initializer_range=c.initializer_range,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        pad_token_id=c.pad_token_id,
+        qkv_bias=c.attention_bias,
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        max_window_layers=layers,
+        layer_types=["sliding_attention" if window else "full_attention"] * layers,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.top_k,
+        moe_intermediate_size=m.moe_intermediate_size,
+        shared_expert_intermediate_size=(
+            m.shared_expert_intermediate_size if m.enable_shared_expert else 0
+        ),
+        norm_topk_prob=m.norm_topk_prob,
+        router_aux_loss_coef=m.router_aux_loss_coef,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(layers) if i not in moe],
+    )
+
+
+def moe_mlp_from_hf(take, has, hf: str, ours: str, config) -> dict[str, torch.Tensor]:
+    """One sparse layer's HF tensors (`hf` = "model.layers.i") under our names."""
+    m = config.moe_config
+    out = {f"{ours}.mlp.router.weight": take(f"{hf}.mlp.gate.weight")}
+    if has(f"{hf}.mlp.experts.gate_up_proj"):  # fused, as transformers 5 holds them
+        gate_up = take(f"{hf}.mlp.experts.gate_up_proj")
+        down = take(f"{hf}.mlp.experts.down_proj")
+    else:  # per expert, as the Hub stores them
+        experts = [f"{hf}.mlp.experts.{j}" for j in range(m.num_experts)]
+        gate_up = torch.stack(
+            [
+                torch.cat((take(f"{e}.gate_proj.weight"), take(f"{e}.up_proj.weight")))
+                for e in experts
+            ]
+        )
+        down = torch.stack([take(f"{e}.down_proj.weight") for e in experts])
+    out[f"{ours}.mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+    out[f"{ours}.mlp.experts.down_proj"] = down.transpose(1, 2).contiguous()
+    if m.enable_shared_expert:
+        shared = [take(f"{hf}.mlp.shared_expert.{p}_proj.weight") for p in ("gate", "up")]
+        out[f"{ours}.mlp.shared_expert.gate_up.weight"] = torch.cat(shared)
+        out[f"{ours}.mlp.shared_expert.down.weight"] = take(
+            f"{hf}.mlp.shared_expert.down_proj.weight"
+        )
+        out[f"{ours}.mlp.shared_expert_gate.weight"] = take(f"{hf}.mlp.shared_expert_gate.weight")
+    return out
+
+
+def moe_mlp_to_hf(full_sd, hf: str, ours: str, config) -> dict[str, torch.Tensor]:
+    """One sparse layer's tensors under HF's per-expert names (the Hub's layout)."""
+    m, h = config.moe_config, config.hidden_size
+    out = {f"{hf}.mlp.gate.weight": full_sd[f"{ours}.mlp.router.weight"]}
+    gate_up = full_sd[f"{ours}.mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H]
+    down = full_sd[f"{ours}.mlp.experts.down_proj"].transpose(1, 2)  # [E, H, I]
+    for j in range(m.num_experts):
+        gate, up = gate_up[j].chunk(2, dim=0)
+        out[f"{hf}.mlp.experts.{j}.gate_proj.weight"] = gate
+        out[f"{hf}.mlp.experts.{j}.up_proj.weight"] = up
+        out[f"{hf}.mlp.experts.{j}.down_proj.weight"] = down[j]
+    if m.enable_shared_expert:
+        gate, up = full_sd[f"{ours}.mlp.shared_expert.gate_up.weight"].chunk(2, dim=0)
+        down_shared = full_sd[f"{ours}.mlp.shared_expert.down.weight"]
+        gate_w = full_sd[f"{ours}.mlp.shared_expert_gate.weight"]
+    else:  # HF always has one: size 0 adds nothing
+        gate = up = gate_up.new_zeros(0, h)
+        down_shared, gate_w = gate_up.new_zeros(h, 0), gate_up.new_zeros(1, h)
+    out[f"{hf}.mlp.shared_expert.gate_proj.weight"] = gate
+    out[f"{hf}.mlp.shared_expert.up_proj.weight"] = up
+    out[f"{hf}.mlp.shared_expert.down_proj.weight"] = down_shared
+    out[f"{hf}.mlp.shared_expert_gate.weight"] = gate_w
+    return out
