@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from nanotron_parallel.compile_boundary import prepare_compile
+
 DOCUMENT_IDS_KEY = "document_ids"
 
 
@@ -206,6 +208,7 @@ def _flex(
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
+    prepare_compile()
     return torch.compile(flex_attention, dynamic=False)
 
 

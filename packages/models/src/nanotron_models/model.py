@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nanotron_parallel.compile_boundary import prepare_compile
 from nanotron_parallel.sharding import (
     ParamMeta,
     expert_shard,
@@ -176,6 +177,7 @@ class LlamaStage(nn.Module):
         )  # fmt: skip
         for layer in self.decoder.values():  # pick the attention kernel now (it may log)
             layer.attn.backend = resolve_backend(layer.attn.backend, param.device)
+        prepare_compile()  # collectives and statistics stay out of the graphs
         if not self.recompute:
             for layer in self.decoder.values():
                 layer.compile(dynamic=False)

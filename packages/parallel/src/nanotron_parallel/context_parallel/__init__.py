@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nanotron_parallel.compile_boundary import eager_under_compile
+
 from .allgather import allgather_attention
 from .kernels import Kernel, MaskFn, causal_kernel, reference_attention, reference_kernel
 from .layout import (
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 
-@torch.compiler.disable  # collectives and p2p in autograd functions: run eagerly when compiled
+@eager_under_compile  # collectives and p2p in autograd functions: run eagerly when compiled
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
