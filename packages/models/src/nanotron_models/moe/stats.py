@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotron_parallel.compile_boundary import eager_under_compile
+
 
 class MoEStats:
     def __init__(self, num_experts: int):
@@ -26,7 +28,7 @@ class MoEStats:
         self.z_loss: torch.Tensor | None = None
         self.micro_batches = 0
 
-    @torch.compiler.disable  # a host-side accumulation: no graph
+    @eager_under_compile  # a host-side accumulation: no graph
     def add(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
         if self.load is None:
             self.load = torch.zeros(self.num_experts, dtype=torch.float32, device=counts.device)
