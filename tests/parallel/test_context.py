@@ -265,7 +265,8 @@ def _check_grid_results(results: list[dict], layouts: list[tuple[int, int, int, 
 def test_groups_in_eight_processes() -> None:
     # Every layout's grid is checked in one process above; here the real groups of the layouts
     # that exercise each dimension at 8 (group creation dominates the time of these tests).
-    layouts = [(2, 2, 2, 1), (1, 1, 8, 1), (2, 1, 2, 2), (1, 2, 1, 4)]
+    # (every dimension at 2 at once, and cp at 4: the 4-process test covers the rest)
+    layouts = [(2, 2, 2, 1), (1, 2, 1, 4)]
     _check_grid_results(run_distributed(grid_worker, 8, layouts, timeout=300), layouts)
 
 
