@@ -3,12 +3,15 @@ the record's values, the step line, and the dashboard message."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from nanotron_train.reporting.metrics import MetricsLogger
 from nanotron_train.reporting.moe_metrics import MoEMetrics, imbalance_of, moe_load_message
@@ -104,3 +107,95 @@ def test_step_line_and_sinks(tmp_path):
     assert sent[0] == ("metrics", 3) and msg["type"] == "moe_load" and msg["step"] == 3
     assert msg["layers"] == [{"layer": 1, "counts": [3, 1]}]
     assert moe_load_message(3, 0.0, {})["layers"] == []
+
+
+QWEN_MOE = Path(__file__).parent / "nanotron" / "config_qwen_with_moe.yaml"
+
+
+def tiny_moe(tmp_path) -> dict:
+    """Nanotron's Qwen2 MoE example at test sizes: 4 experts, top-2, both layers MoE."""
+    data = yaml.safe_load(QWEN_MOE.read_text())
+    mc = data["model"]["model_config"]
+    mc.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+              sliding_window_size=None, _attn_implementation="sdpa")  # fmt: skip
+    mc["moe_config"].update(num_experts=4, top_k=2, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32, router_z_loss_coef=1e-3)  # fmt: skip
+    data["model"]["dtype"] = "float32"
+    data["tokens"].update(sequence_length=32, micro_batch_size=2, train_steps=2)
+    data["tokens"]["batch_accumulation_per_replica"] = 2
+    data["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = 2
+    data["optimizer"]["optimizer_factory"]["torch_adam_is_fused"] = False
+    data["data_stages"][0]["data"]["dataset"] = None  # synthetic tokens
+    data["checkpoints"]["checkpoints_path"] = None
+    data["logging"].update(iteration_step_info_interval=1, metrics_file=str(tmp_path / "m.jsonl"))
+    data["parallelism"].update(dp=1, tp=1, pp=1, pp_engine="1f1b")
+    return data
+
+
+def test_a_training_step_records_the_routers_counts(tmp_path):
+    """One process, two steps of two micro-batches: each layer's logged counts are the
+    bincount of its router's top-k choices, the imbalance their max / mean, the aux and z
+    losses the balance formulas (HF Qwen2-MoE's) on the router's outputs, mean over the
+    micro-batches; the metrics file, the step line and the dashboard message carry them."""
+    from nanotron_models.moe.stats import moe_blocks
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.trainer import Trainer
+
+    cfg = config_from_dict(tiny_moe(tmp_path), "moe.yaml", world_size=None)
+    out = io.StringIO()
+    trainer = Trainer(cfg, ParallelContext(1, 1, 1), stream=out)
+    seen: dict[int, list] = {}
+
+    def hook(layer):
+        def keep(module, args, routing):
+            if torch.is_grad_enabled():  # training forwards, not an evaluation
+                seen.setdefault(layer, []).append(type(routing)(*(t.detach() for t in routing)))
+
+        return keep
+
+    blocks = moe_blocks(trainer.state.model)
+    assert [layer for layer, _ in blocks] == [0, 1]
+    for layer, block in blocks:
+        block.router.register_forward_hook(hook(layer))
+    records = []
+
+    def check(rec):
+        records.append(rec)
+        for layer, routings in seen.items():
+            counts = sum(torch.bincount(r.topk_idx.flatten(), minlength=4) for r in routings)
+            assert rec["moe_load"][str(layer)] == counts.tolist()
+            assert rec[f"moe/layer_{layer}/load_imbalance"] == pytest.approx(
+                float(counts.max()) / float(counts.float().mean()), rel=1e-6
+            )
+            aux = [4 * (torch.bincount(r.topk_idx.flatten(), minlength=4) / len(r.probs)
+                        * r.probs.mean(0)).sum() for r in routings]  # fmt: skip
+            assert rec[f"moe/layer_{layer}/aux_loss"] == pytest.approx(
+                float(sum(aux)) / 2, rel=1e-5
+            )
+            assert len(routings) == 2 and int(counts.sum()) == 2 * 2 * 32 * 2  # mb x b x s x k
+        z = [float((torch.logsumexp(r.logits, -1) ** 2).mean()) for rs in seen.values() for r in rs]
+        assert rec["moe/z_loss"] == pytest.approx(sum(z) / len(z), rel=1e-5)
+        seen.clear()
+
+    trainer.train(on_record=check)
+    assert [r["step"] for r in records] == [1, 2]
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [x["moe_load"] for x in lines] == [r["moe_load"] for r in records]
+    assert "moe_aux_loss: " in out.getvalue() and "moe_load_imbalance: " in out.getvalue()
+
+
+def test_rank_stats_show_the_all_to_all_phase_and_name_an_unknown_one(caplog):
+    """The all-to-all time is its own field, out of compute; a phase rank_stats has no field
+    for is named in one warning (once) and stays in compute."""
+    from nanotron_train.telemetry.rank_stats import FIELDS, local_row
+
+    totals = {"step": 100.0, "pipeline": 80.0, "tp_comm": 10.0, "all_to_all": 30.0}
+    row = dict(zip(FIELDS, local_row(totals, 2, torch.device("cpu"), {})))
+    assert row["all_to_all_ms"] == 15.0 and row["compute_ms"] == 20.0  # (80 - 10 - 30) / 2
+    with caplog.at_level("WARNING", logger="nanotron_train.telemetry"):
+        local_row({**totals, "expert_sync": 4.0}, 2, torch.device("cpu"), {})
+        local_row({**totals, "expert_sync": 4.0}, 2, torch.device("cpu"), {})
+    said = [r.getMessage() for r in caplog.records if "expert_sync" in r.getMessage()]
+    assert len(said) == 1 and "counted as compute" in said[0]

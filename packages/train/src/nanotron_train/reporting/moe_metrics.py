@@ -2,8 +2,8 @@
 
 Each MoE block keeps device statistics over the step's micro-batches (`stats`: `load`, the
 (token, slot) assignments to each global expert from this rank's tokens; `aux_loss` and
-`z_loss`, sums over micro-batches of their unscaled values; `micro_batches`), reset by the
-trainer at the start of every step. Nothing is read during the step. On a logged step every
+`z_loss`, sums over micro-batches of their values before any coefficient; `micro_batches`),
+reset by the trainer at the start of every step. Nothing is read during the step. On a logged step every
 rank packs them into ONE [num_hidden_layers, E + 3] float64 tensor (row l: layer l's load
 over the experts, then its aux and z sums and its micro-batch count; zero where this rank does
 not hold layer l) and one all-reduce over the world gives every rank the step's totals. The
@@ -24,11 +24,12 @@ overall `moe/load_imbalance` (max over all layers' experts / their mean) is the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from nanotron_models.moe.stats import moe_blocks
 
 # The keys the record gains (docs/dashboard.md lists them); `moe_load` is not a scalar: the
 # metrics file keeps it, the dashboard gets it as a `moe_load` message, TensorBoard and wandb
@@ -44,29 +45,34 @@ class MoEMetrics:
     """
 
     def __init__(self, blocks, num_layers: int, num_experts: int, pc, sequence_parallel: bool,
-                 z_loss: bool, reset: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+                 z_loss: bool) -> None:  # fmt: skip
         self.blocks, self.pc, self.z_loss = list(blocks), pc, z_loss
-        self.reset = reset  # at the start of every step: the statistics count that step only
         self.shape = (num_layers, num_experts + 3)
         self.num_experts = num_experts
         self.weight_load = 1.0 if sequence_parallel or pc.tp_rank == 0 else 0.0
         cp_rank = getattr(pc, "cp_rank", 0)
         self.weight_loss = 1.0 if pc.tp_rank == 0 and cp_rank == 0 else 0.0
-        self.rows = torch.tensor([layer for layer, _ in self.blocks], dtype=torch.long)
+
+    def reset(self) -> None:
+        """At the start of every step (the blocks found once): its micro-batches only."""
+        for _, block in self.blocks:
+            block.stats.reset()
 
     def _packed(self) -> torch.Tensor:
         """This rank's weighted contribution, on the device (no host read)."""
         packed = torch.zeros(self.shape, dtype=torch.float64, device=self.pc.device)
-        if not self.blocks:
+        # a block's tensors exist from its first training forward on
+        held = [(layer, b.stats) for layer, b in self.blocks if b.stats.load is not None]
+        if not held:
             return packed
         mine = []
-        for _, block in self.blocks:
-            st = block.stats
+        for _, st in held:
             scalars = torch.stack([st.aux_loss.detach(), st.z_loss.detach()]).double()
             mb = torch.tensor([float(st.micro_batches)], dtype=torch.float64, device=packed.device)
             load = st.load.detach().double() * self.weight_load
             mine.append(torch.cat([load, scalars * self.weight_loss, mb * self.weight_loss]))
-        packed.index_copy_(0, self.rows.to(packed.device), torch.stack(mine))
+        rows = torch.tensor([layer for layer, _ in held], device=packed.device)
+        packed.index_copy_(0, rows, torch.stack(mine))
         return packed
 
     def collect(self) -> dict[str, Any]:
@@ -127,8 +133,6 @@ def build_moe_metrics(cfg, pc, model) -> MoEMetrics | None:
     moe = getattr(mc, "moe_config", None)
     if moe is None:
         return None
-    from nanotron_models.moe.stats import moe_blocks, reset_moe_stats
-
     return MoEMetrics(
         moe_blocks(model),
         mc.num_hidden_layers,
@@ -136,5 +140,4 @@ def build_moe_metrics(cfg, pc, model) -> MoEMetrics | None:
         pc,
         sequence_parallel=cfg.parallelism.tp_mode == "REDUCE_SCATTER",
         z_loss=(getattr(moe, "router_z_loss_coef", 0.0) or 0.0) > 0,
-        reset=lambda: reset_moe_stats(model),
     )

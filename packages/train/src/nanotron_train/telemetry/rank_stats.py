@@ -6,8 +6,9 @@ the interval's steps) into means and adds its peak memory and utilisation; one
 rank (the only collective of the interval). Who is where (host and dp/tp/pp/cp coordinates)
 is gathered once at start. Rank 0 turns the table into `rank_stats` messages.
 
-compute = the pipeline's forwards and backwards minus the tp collectives, the pp transfers and
-ZeRO-3's parameter gathers inside them; `dp_wait` is the wait for the gradient reduction (and
+compute = the pipeline's forwards and backwards minus the communication inside them (the tp
+collectives, expert parallel's dispatch and combine `all_to_all`, the pp transfers and ZeRO-3's
+parameter gathers); `dp_wait` is the wait for the gradient reduction (and
 the tied-embedding sum) after the last backward plus those ZeRO-3 gathers and the collectives
 of the optimizer phase (`optimizer_comm`: the grad-norm all-reduce and the ZeRO-1/2 parameter
 all-gather, where the ranks that arrive first wait for the slowest); `optimizer` is the rest
@@ -19,6 +20,7 @@ logged step).
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ FIELDS = (
     "step_ms",
     "compute_ms",
     "tp_comm_ms",
+    "all_to_all_ms",
     "pp_wait_ms",
     "dp_wait_ms",
     "optimizer_ms",
@@ -89,19 +92,43 @@ def gather_places(pc) -> list[Place]:
     return places  # type: ignore[return-value]
 
 
+# The phases the trainer and the collectives time (phase_timer.comm_span): a new one needs a
+# row in local_row, else its time stays inside compute; `unreported` says so, once per name.
+KNOWN_PHASES = frozenset(
+    ("step", "pipeline", "tp_comm", "all_to_all", "pp_wait", "dp_gather", "dp_wait",
+     "optimizer", "optimizer_comm", "data")
+)  # fmt: skip
+_warned: set[str] = set()
+
+
+def unreported(totals: dict[str, float]) -> list[str]:
+    """Phases timed but not in FIELDS: logged once each (their time counts as compute)."""
+    new = sorted(set(totals) - KNOWN_PHASES - _warned)
+    for name in new:
+        _warned.add(name)
+        logging.getLogger("nanotron_train.telemetry").warning(
+            "rank stats: phase %r is timed but has no field (telemetry/rank_stats.py); its "
+            "time is counted as compute",
+            name,
+        )
+    return new
+
+
 def local_row(totals: dict[str, float], steps: int, device, extra: dict) -> list[float]:
     """This rank's FIELDS (NaN = unknown) from an interval's phase totals."""
     n = max(steps, 1)
+    unreported(totals)
 
     def mean(phase: str) -> float:
         return totals.get(phase, 0.0) / n
 
     # ZeRO-3's parameter all-gathers wait inside the forwards and backwards: dp time, not compute
-    inner = mean("tp_comm") + mean("pp_wait") + mean("dp_gather")
+    inner = mean("tp_comm") + mean("all_to_all") + mean("pp_wait") + mean("dp_gather")
     values = {
         "step_ms": mean("step"),
         "compute_ms": max(0.0, mean("pipeline") - inner),
         "tp_comm_ms": mean("tp_comm"),
+        "all_to_all_ms": mean("all_to_all"),  # expert parallel's token exchange
         "pp_wait_ms": mean("pp_wait"),
         "dp_wait_ms": mean("dp_wait") + mean("dp_gather") + mean("optimizer_comm"),
         # the grad-norm all-reduce and ZeRO's all-gather wait (for the slowest rank) inside
