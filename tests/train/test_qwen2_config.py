@@ -55,7 +55,6 @@ def _example() -> dict:
 
 
 REFUSED = {
-    "moe_config": ({"num_experts": 8}, "mixture-of-experts"),
     "_use_qkv_packed": (False, "Nanotron does not run either"),
     "rope_interleaved": (True, "rotate-half"),
     "use_cache": (False, "KV cache"),

@@ -1,5 +1,5 @@
 """Nanotron's Qwen2 examples here: config_qwen.yaml loads unchanged and trains with only its
-sizes, layout and paths changed; the MoE example is refused at moe_config in one line; and
+sizes, layout and paths changed (the MoE example: test_moe_model.py); and
 Qwen2 with document masking, a sliding window and NoPE layers trains the same model at
 tp=2 x pp=2 (1f1b) and at dp=2 ZeRO-3 x tp=2 with recompute as in one process (1e-5), and at
 cp=2 (each cp attention) its packed loss is the token-weighted loss of each document alone."""
@@ -16,11 +16,10 @@ import torch
 import yaml
 
 from nanotron_parallel.testing import run_distributed, shared_default_group
-from nanotron_train.config import ConfigError, config_from_dict, load_config
+from nanotron_train.config import config_from_dict, load_config
 
 HERE = Path(__file__).parent / "nanotron"
 QWEN = HERE / "config_qwen.yaml"
-QWEN_MOE = HERE / "config_qwen_with_moe.yaml"
 STEPS = 4
 SIZES = dict(  # the only model keys the tests change
     hidden_size=64,
@@ -56,14 +55,6 @@ def test_config_qwen_loads_unchanged_with_nanotron_meanings():
         "REDUCE_SCATTER",
         True,
     )
-
-
-def test_config_qwen_with_moe_is_refused_at_moe_config():
-    with pytest.raises(ConfigError) as err:
-        load_config(QWEN_MOE, world_size=2)
-    text = str(err.value)
-    assert text.startswith(f"{QWEN_MOE}: model.model_config.moe_config: ") and "\n" not in text
-    assert "mixture-of-experts" in text
 
 
 def _sized(data: dict) -> dict:

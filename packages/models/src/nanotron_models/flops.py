@@ -5,14 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import LlamaConfig
+from .moe.config import moe_layers_of
 
 
-def _layer_matmul_params(c: LlamaConfig) -> int:
+def _mlp_params(c: LlamaConfig, layer: int, active: bool) -> int:
+    """The feed-forward block's matmul weights: the dense SwiGLU, or a MoE layer's router,
+    experts (`active`: the top_k a token runs through, else all of them), shared expert and
+    its gate."""
+    h = c.hidden_size
+    if layer not in moe_layers_of(c):
+        return 3 * h * c.intermediate_size  # gate, up, down
+    m = c.moe_config
+    experts = m.top_k if active else m.num_experts
+    shared = 3 * h * m.shared_expert_intermediate_size + h if m.enable_shared_expert else 0
+    return h * m.num_experts + experts * 3 * h * m.moe_intermediate_size + shared
+
+
+def _layer_matmul_params(c: LlamaConfig, layer: int = 0, active: bool = True) -> int:
     d = c.head_dim
     qkv = c.hidden_size * (c.num_attention_heads + 2 * c.n_kv_heads) * d
     o_proj = c.num_attention_heads * d * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down
-    return qkv + o_proj + mlp
+    return qkv + o_proj + _mlp_params(c, layer, active)
 
 
 def _layer_biases(c: LlamaConfig) -> int:
@@ -25,11 +38,14 @@ def _layer_biases(c: LlamaConfig) -> int:
 def num_parameters(config: LlamaConfig) -> int:
     """Trainable parameters of the unpadded model, a tied embedding counted once."""
     c = config
-    # + two RMSNorm weights and the attention biases
-    per_layer = _layer_matmul_params(c) + 2 * c.hidden_size + _layer_biases(c)
+    # + two RMSNorm weights and the attention biases; every expert of a MoE layer
+    layers = sum(
+        _layer_matmul_params(c, i, active=False) + 2 * c.hidden_size + _layer_biases(c)
+        for i in range(c.num_hidden_layers)
+    )
     embedding = c.vocab_size * c.hidden_size
     lm_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-    return embedding + c.num_hidden_layers * per_layer + c.hidden_size + lm_head
+    return embedding + layers + c.hidden_size + lm_head
 
 
 def training_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
@@ -47,13 +63,17 @@ def training_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 
     Sliding windows: a layer with a window of W keys counts min(W, s) keys per token instead
     of s (the work a block-sparse kernel does; the same convention, causal mask not halved).
+    Mixture-of-experts layers count their ACTIVE weights: the router, the top_k experts a
+    token runs through and the shared expert with its gate (the work done per token, as
+    MoE papers report MFU); `num_parameters` counts every expert.
     Document masking is not counted: how much it saves depends on each batch's documents
     (a packed batch of documents of length l does about l/s of the attention work), so the
     figure stays the full-sequence one and MFU is comparable across datasets
     (docs/models.md).
     """
     c = config
-    n = c.num_hidden_layers * _layer_matmul_params(c) + c.vocab_size * c.hidden_size
+    layers = sum(_layer_matmul_params(c, i) for i in range(c.num_hidden_layers))
+    n = layers + c.vocab_size * c.hidden_size
     return float(6 * n + 12 * c.hidden_size * attended_keys(c, seq_len))
 
 
@@ -84,7 +104,8 @@ def llama_block_costs(config: LlamaConfig, seq_len: int) -> list[float]:
     for layer in range(c.num_hidden_layers):
         window = c.sliding_window(layer)
         keys = s if window is None else min(window, s)
-        decoders.append(float(2 * s * _layer_matmul_params(c) + 4 * s * keys * h + 20 * s * h))
+        matmuls = _layer_matmul_params(c, layer)
+        decoders.append(float(2 * s * matmuls + 4 * s * keys * h + 20 * s * h))
     final_norm = float(4 * s * h)
     lm_head = float(2 * s * c.vocab_size * h)
     loss = float(5 * s * c.vocab_size)  # softmax over the vocab

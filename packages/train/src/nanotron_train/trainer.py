@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron_models.blocks import Loss
+from nanotron_models.moe import moe_blocks, update_expert_biases
 from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.context_parallel import split_batch
@@ -133,6 +134,14 @@ class Trainer:
             if self.cfg.model.model_config.z_loss_enabled
             else []
         )
+        self.moe_blocks = moe_blocks(model)
+        # The ranks whose tokens differ, over which a sigmoid_bias router's load is summed.
+        sp = any(b.sequence_parallel for _, b in self.moe_blocks)
+        self.bias_groups = (
+            [self.pc.dp_cp_group, self.pc.tp_group if sp else None]
+            if any(b.router.kind == "sigmoid_bias" for _, b in self.moe_blocks)
+            else None
+        )
 
     def _open_logger(self, stream: TextIO, level: str) -> MetricsLogger | None:
         """Rank 0's sinks (stdout, metrics file, TensorBoard, wandb, dashboard); None elsewhere."""
@@ -169,6 +178,8 @@ class Trainer:
         self.grads.zero_grad()
         if self.moe is not None:
             self.moe.reset()  # expert loads and aux losses of this step's micro-batches only
+        for _, block in self.moe_blocks:  # balance losses weigh as each micro-batch's lm loss
+            block.aux_scale = 1.0 / len(micro_batches)
         recorder = tm.timeline_recorder(step)  # the pipeline timeline's step, else a no-op
         with tm.span("pipeline"):
             result = run_pipeline_step(
@@ -198,6 +209,8 @@ class Trainer:
                     clip_grads(self.clip_views, norm, cfg.optimizer.clip_grad)
                 s.optimizer.step(lr)
                 self.grads.gather_params()  # ZeRO: every rank gets the others' parameters
+                if self.bias_groups is not None:  # sigmoid_bias routers: against the load
+                    update_expert_biases(self.moe_blocks, self.bias_groups)
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
             with self.grads.full_parameters():
                 check_dp_replicas(self.named_params, pc.dp_cp_group, pc.dp_cp_size, step)

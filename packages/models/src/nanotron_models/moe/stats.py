@@ -78,12 +78,13 @@ def update_expert_biases(model, groups: Iterable) -> None:
     """After the optimizer step: every sigmoid_bias router's bias moves against the step's
     load, summed over `groups` (the ranks that saw other tokens: dp x cp, and tp under
     sequence parallel) so every replica applies the same update. One all-reduce for all the
-    layers of the stage."""
+    layers of the stage. `model`: a stage, its chunks, or `moe_blocks`' list."""
     from .router import update_expert_bias
 
+    blocks = model if isinstance(model, list) and model and isinstance(model[0], tuple) else None
     routers = [
         (b.router, b.stats.load)
-        for _, b in moe_blocks(model)
+        for _, b in (blocks or moe_blocks(model))
         if b.router.kind == "sigmoid_bias" and b.stats.load is not None
     ]
     if not routers:

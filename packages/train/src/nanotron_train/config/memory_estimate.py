@@ -75,11 +75,35 @@ def _stage_parameters(cfg) -> int:
     par = cfg.parallelism
     div = cfg.model.make_vocab_size_divisible_by
     vocab = -(-mc.vocab_size // div) * div
+    experts = _routed_expert_parameters(mc)  # replicated over tp, split over ep
     per_layer = (num_parameters(mc) - mc.vocab_size * mc.hidden_size * (2 - mc.tie_word_embeddings)
-                 - mc.hidden_size) // mc.num_hidden_layers  # fmt: skip
+                 - mc.hidden_size - experts) // mc.num_hidden_layers  # fmt: skip
     layers = math.ceil(mc.num_hidden_layers / par.pp)
     heads = 1 if (par.pp == 1 and mc.tie_word_embeddings) else 2
-    return (layers * per_layer + heads * vocab * mc.hidden_size) // par.tp
+    expert_share = experts * layers // mc.num_hidden_layers // par.expert_parallel_size
+    return (layers * per_layer + heads * vocab * mc.hidden_size) // par.tp + expert_share
+
+
+def _routed_expert_parameters(mc) -> int:
+    """Every routed expert's weights over the model's MoE layers (0 without moe_config)."""
+    m = getattr(mc, "moe_config", None)
+    if m is None:
+        return 0
+    per_layer = m.num_experts * 3 * mc.hidden_size * m.moe_intermediate_size
+    return per_layer * len(m.moe_layers(mc.num_hidden_layers))
+
+
+def _mlp_activation_elements(mc, tp: int) -> int:
+    """Saved elements per token of the largest feed-forward block: the dense MLP's gate, up,
+    silu and product; a MoE layer's routed copies of the token (top_k of them, with their
+    gate_up, silu and product), router scores and shared expert."""
+    dense = 4 * mc.intermediate_size // tp
+    m = getattr(mc, "moe_config", None)
+    if m is None:
+        return dense
+    routed = m.top_k * (mc.hidden_size + 4 * m.moe_intermediate_size) + 3 * m.num_experts
+    shared = 4 * m.shared_expert_intermediate_size // tp if m.enable_shared_expert else 0
+    return max(dense, routed + shared)
 
 
 def _activation_elements_per_token(cfg) -> tuple[int, int]:
@@ -92,7 +116,7 @@ def _activation_elements_per_token(cfg) -> tuple[int, int]:
     attn = mc.num_attention_heads * d // tp
     # two norms (input, normed, gathered linear input), residual, qkv + rotated q/k, the
     # attention's output (and o_proj's input), gate, up, silu and product of the MLP
-    per_layer = 4 * hs + 2 * h + 2 * qkv + 2 * attn + 4 * mc.intermediate_size // tp
+    per_layer = 4 * hs + 2 * h + 2 * qkv + 2 * attn + _mlp_activation_elements(mc, tp)
     return per_layer, hs
 
 

@@ -1,0 +1,114 @@
+"""Nanotron's config_qwen_with_moe.yaml here: it loads with Nanotron's meanings (8 experts,
+top-1, a shared expert on every layer, Nanotron's defaults for the rest), every moe_config
+refusal is one line naming its key, and with only sizes, layout and paths changed it trains
+in one process (bf16, as written) with the expected parameter count and active FLOPs; the
+convert commands take a Hugging Face Qwen2-MoE folder in and write it back."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nanotron_train.config import ConfigError, config_from_dict, load_config
+
+QWEN_MOE = Path(__file__).parent / "nanotron" / "config_qwen_with_moe.yaml"
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
+MOE_SIZES = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+
+def _example() -> dict:
+    return yaml.safe_load(QWEN_MOE.read_text())
+
+
+def test_config_qwen_with_moe_loads_with_nanotron_meanings():
+    mc = load_config(QWEN_MOE, world_size=2).model.model_config
+    m = mc.moe_config
+    assert (m.num_experts, m.top_k, m.enable_shared_expert) == (8, 1, True)
+    assert (m.moe_intermediate_size, m.shared_expert_intermediate_size) == (1408, 5632)
+    assert (m.router_aux_loss_coef, m.token_dispatcher_type, m.router) == (
+        0.01,
+        "alltoall",
+        "softmax",
+    )
+    assert m.moe_layers(mc.num_hidden_layers) == list(range(12))
+
+
+REFUSED = {
+    "top_k": (9, "top_k (9) must be at most num_experts (8)"),
+    "layers": ([0, 12], "layers [12] are outside 0..11"),
+    "token_dispatcher_type": ("ring", "must be one of ['alltoall', 'allgather']"),
+    "router": ("hash", "must be one of ['softmax', 'sigmoid_bias']"),
+    "num_experts": (0, "must be a positive integer"),
+    "router_z_loss_coef": (-1.0, "must be a number >= 0"),
+    "unknown_key": (1, "unknown key"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_moe_config_refusals_are_one_line_naming_the_key(key):
+    value, expect = REFUSED[key]
+    data = _example()
+    data["model"]["model_config"]["moe_config"][key] = value
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data, "q.yaml", world_size=2)
+    text = str(err.value)
+    assert text.startswith(f"q.yaml: model.model_config.moe_config.{key}: ") and "\n" not in text
+    assert expect in text, text
+
+
+def expected_parameters(mc) -> tuple[int, int]:
+    """(every parameter, the matmul weights one token runs through), written out by hand."""
+    h, v, layers = mc.hidden_size, mc.vocab_size, mc.num_hidden_layers
+    m = mc.moe_config
+    attn = h * (4 + 2 * 2) * (h // 4) + h * h  # qkv (4 heads, 2 kv heads) and o_proj
+    shared = 3 * h * m.shared_expert_intermediate_size + h  # SwiGLU + its sigmoid gate
+    routed = 3 * h * m.moe_intermediate_size
+    total = v * h + layers * (attn + 2 * h + h * m.num_experts + m.num_experts * routed + shared)
+    active = layers * (attn + h * m.num_experts + m.top_k * routed + shared) + v * h
+    return total + h, active  # + final norm; tied embeddings: one V x h table
+
+
+def test_config_qwen_with_moe_trains_with_sizes_layout_and_paths_changed(tmp_path, monkeypatch):
+    from nanotron_models import family_of
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.data.testing import make_id_nanoset
+    from nanotron_train.model_factory import build_model
+    from nanotron_train.trainer import train
+
+    monkeypatch.chdir(tmp_path)
+    data = _example()
+    data["model"]["model_config"].update(SIZES)
+    data["model"]["model_config"]["moe_config"].update(MOE_SIZES)
+    data["tokens"].update(sequence_length=32, micro_batch_size=2, train_steps=2)
+    data["tokens"]["batch_accumulation_per_replica"] = 2
+    data["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = 2
+    folder = make_id_nanoset(tmp_path / "ns", [20, 45, 9, 70] * 4, high=8, seed=1)
+    dataset = data["data_stages"][0]["data"]["dataset"]
+    dataset.update(dataset_folder=[str(folder)], tokenizer_name=None, vocab_size=256,
+                   token_size_in_bytes=2)  # fmt: skip
+    data["tokenizer"]["tokenizer_name_or_path"] = None
+    data["parallelism"].update(dp=1, tp=1)
+    data["checkpoints"]["checkpoints_path"] = "checkpoints"  # its path is on Nanotron's cluster
+    cfg = config_from_dict(data, "q.yaml", world_size=1)
+    mc = cfg.model.model_config
+    total, active = expected_parameters(mc)
+    fam = family_of(mc)
+    assert fam.num_parameters(mc) == total
+    # active weights; attention over the 20 keys of the window on both layers
+    assert fam.training_flops_per_token(mc, 32) == 6 * active + 12 * mc.hidden_size * 2 * 20
+    pc = ParallelContext(1, 1, 1)
+    model = build_model(cfg.model, 42, 32, pc)
+    assert sum(p.numel() for p in model.parameters()) == total
+    assert model.decoder["0"].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    records: list[dict] = []
+    train(cfg, pc, stream=io.StringIO(), on_record=records.append)
+    losses = [r["lm_loss"] for r in records]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(256), abs=0.15) and losses[1] != losses[0]
+    assert (tmp_path / "checkpoints" / "2").is_dir()
