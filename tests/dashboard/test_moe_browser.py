@@ -33,6 +33,10 @@ def test_expert_load_heatmap(browser, live_dashboard):
     d = live_dashboard
     d.post("/api/ingest", {"type": "run_start", "run_id": RUN, "name": "moe"})
     d.post("/api/ingest", [moe_load(s, LOADS) for s in range(1, 11)])
+    per_layer = [f"moe/layer_{i}/{k}" for i in range(8) for k in ("aux_loss", "load_imbalance")]
+    names = ["lm_loss", "moe/aux_loss", "moe/load_imbalance", *per_layer]
+    d.post("/api/ingest", [{"type": "metrics", "run_id": RUN, "step": s,
+                            "values": {n: 3.0 - s / 10 for n in names}} for s in range(1, 11)])  # fmt: skip
     stats = td.rank_stats(RUN, 10, n=2)
     for r in stats["ranks"]:
         r |= {"all_to_all_ms": 2.0 + r["rank"], "expert_sync_ms": 1.0}
@@ -69,6 +73,7 @@ def test_expert_load_heatmap(browser, live_dashboard):
     legend = page.locator("#moe-legend").inner_text()
     assert "relative to uniform (1/4 = 25%)" in legend and "10 of 10 steps" in legend
 
+    page.locator("#moe-heatmap").scroll_into_view_if_needed()
     box = page.locator("#moe-heatmap").bounding_box()
     page.mouse.move(
         box["x"] + geo["left"] + 4.5 * geo["cellW"], box["y"] + geo["top"] + 0.5 * geo["cellH"]
@@ -91,5 +96,11 @@ def test_expert_load_heatmap(browser, live_dashboard):
     page.select_option("#heat-field", "expert_sync_ms")
     page.wait_for_function("() => window.__nt.heatmap.field === 'expert_sync_ms'")
     assert page.locator("#heat-legend").inner_text().startswith("expert sync (ms, phase): colour")
+    # the overall aux loss and imbalance are charted by default, before the per-layer ones
+    page.wait_for_function("() => document.querySelector('#charts .chart[data-metric=lm_loss]')")
+    charted = page.evaluate(
+        "() => [...document.querySelectorAll('#charts .chart')].map((c) => c.dataset.metric)"
+    )
+    assert "moe/aux_loss" in charted and "moe/load_imbalance" in charted, charted
     assert errors == []
     page.close()

@@ -2,7 +2,7 @@
 "use strict";
 (() => {
   const runId = decodeURIComponent(location.pathname.split("/").pop());
-  const DEFAULT_ORDER = ["lm_loss", "val_loss", "grad_norm", "tokens_per_sec", "lr"];
+  const DEFAULT_ORDER = ["lm_loss", "val_loss", "grad_norm", "tokens_per_sec", "lr", "moe/aux_loss", "moe/load_imbalance"];
   const COLORS = ["#2b7de9", "#e9692b", "#2e9d4c", "#9b3fd1", "#d2333f", "#11949b"];
   const MAX_POINTS = 2000;
   const DEFAULT_CHARTS = 12;  // a run may log up to 1000 metrics: more are picked by hand
