@@ -15,6 +15,7 @@ from nanotron_models.config import DTYPES
 from nanotron_models.families import family_of
 from nanotron_models.model import LlamaStage
 from nanotron_parallel.context import ParallelContext
+from nanotron_parallel.expert_parallel import make_dispatcher
 from nanotron_parallel.pipeline import engine, stage_block_names
 from nanotron_train.config.schema import Config, ModelArgs
 
@@ -43,6 +44,11 @@ def build_model(
     family = family_of(mc)
     names = family.block_names(mc)
     costs = family.block_costs(mc, sequence_length)
+    moe = getattr(mc, "moe_config", None)  # experts over the ep group (one rank: all local)
+    experts = {}
+    if moe is not None:
+        group = pc.ep_group if pc.ep_size > 1 else None
+        experts["dispatcher"] = make_dispatcher(moe.token_dispatcher_type, moe.num_experts, group)
     return family.build_stage(
         mc,
         pc,
@@ -52,6 +58,7 @@ def build_model(
         scaling_method=model.init_method.scaling_method,
         dtype=DTYPES[model.dtype],
         device=pc.device,
+        **experts,
     )
 
 

@@ -25,7 +25,10 @@ chunks under interleaved 1F1B) with its tp shards. `parallelize` then applies, i
    (`nanotron_parallel.data_parallel.build_data_parallel`; ZeRO-3 gathers the parameters of each block
    the stage calls, `called_blocks()`, around its forward and backward), over
    the dp x cp group: parameters are replicated over cp as over dp, so their gradients are
-   averaged (and ZeRO shards) over both. With cp = 1 that group is the dp group.
+   averaged (and ZeRO shards) over both. With cp = 1 that group is the dp group. Expert
+   parameters (a MoE model) get buckets of their own over edp x cp, the ranks holding the
+   same experts (`SplitGrads`); the experts' dispatcher over the ep group was given to the
+   blocks when they were built (model_factory).
 
 Nothing is patched: every step is a method of the model or an object that holds the model's
 parameters, and parameter names stay global (`decoder.3.attn.qkv.weight`) whatever is applied.
@@ -41,8 +44,9 @@ from torch import nn
 from nanotron_models.chunks import StageChunks
 from nanotron_models.model import LlamaStage
 from nanotron_parallel.context import ParallelContext
-from nanotron_parallel.data_parallel import DataParallelGrads, build_data_parallel
+from nanotron_parallel.data_parallel import DataParallelGrads, SplitGrads, build_data_parallel
 from nanotron_parallel.pipeline import engine
+from nanotron_parallel.sharding import is_expert_param
 from nanotron_parallel.tied import TiedParameters, tied_parameters
 from nanotron_train.config.context_parallel import cp_attention
 from nanotron_train.config.schema import Config
@@ -55,7 +59,7 @@ class ParallelModel:
 
     model: nn.Module
     tied: TiedParameters
-    grads: DataParallelGrads
+    grads: DataParallelGrads | SplitGrads
 
     @property
     def zero_stage(self) -> int:
@@ -87,17 +91,42 @@ def parallelize(
     stage: nn.Module = chunks[0] if len(chunks) == 1 else StageChunks(chunks)  # 4. pipeline
     ends_apart = engine(par.pp_engine).last_stage_rank(pc.pp_size, len(chunks)) != 0  # zbv: 0
     tied = tied_parameters(stage, pc, ends_apart)  # collective when pp > 1 and ends apart
-    opt = cfg.optimizer  # 5. data parallel / ZeRO
-    grads = build_data_parallel(
+    grads = data_parallel(stage, chunks, tied, cfg, pc)  # 5. data parallel / ZeRO
+    return ParallelModel(stage, tied, grads)
+
+
+def data_parallel(
+    stage: nn.Module, chunks: list[LlamaStage], tied: TiedParameters, cfg: Config, pc
+) -> DataParallelGrads | SplitGrads:
+    """Step 5: dense parameters over dp x cp; expert parameters (is_expert_param), when the
+    model has any, in buckets of their own over edp x cp, summed there and scaled by the same
+    1 / (dp * cp) as the dense mean (nanotron_parallel.data_parallel.split)."""
+    opt, params = cfg.optimizer, list(stage.parameters())
+    common = {
+        "grad_dtype": torch.float32 if opt.accumulate_grad_in_fp32 else None,
+        "bucket_cap_mb": cfg.model.ddp_bucket_cap_mb,
+        "tensor_collectives": pc.tensor_collectives,
+        "blocks": [unit for c in chunks for unit in c.called_blocks()],  # ZeRO-3's gather units
+    }
+    dense = build_data_parallel(
         opt.zero_stage,
-        list(stage.parameters()),
+        [p for p in params if not is_expert_param(p)],
         pc.dp_cp_group,
         pc.dp_cp_size,
         pc.dp_cp_rank,
-        grad_dtype=torch.float32 if opt.accumulate_grad_in_fp32 else None,
-        bucket_cap_mb=cfg.model.ddp_bucket_cap_mb,
         full_reduce={id(p) for g in tied.groups for p in g.params},
-        tensor_collectives=pc.tensor_collectives,
-        blocks=[unit for c in chunks for unit in c.called_blocks()],  # ZeRO-3's gather units
+        **common,
     )
-    return ParallelModel(stage, tied, grads)
+    experts = [p for p in params if is_expert_param(p)]
+    if not experts:
+        return dense
+    expert_grads = build_data_parallel(
+        opt.zero_stage,
+        experts,
+        pc.edp_cp_group,
+        pc.edp_cp_size,
+        pc.edp_cp_rank,
+        grad_scale=1.0 / pc.dp_cp_size,
+        **common,
+    )
+    return SplitGrads(dense, expert_grads)

@@ -31,6 +31,7 @@ from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_gr
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.context_parallel import split_batch
 from nanotron_parallel.pipeline import run_pipeline_step
+from nanotron_parallel.sharding import is_expert_param
 from nanotron_train.checkpoints.hooks import Checkpointing
 from nanotron_train.config.memory_estimate import check_memory
 from nanotron_train.config.schema import Config
@@ -213,7 +214,10 @@ class Trainer:
                     update_expert_biases(self.moe_blocks, self.bias_groups)
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
             with self.grads.full_parameters():
-                check_dp_replicas(self.named_params, pc.dp_cp_group, pc.dp_cp_size, step)
+                dense = [(n, p) for n, p in self.named_params if not is_expert_param(p)]
+                check_dp_replicas(dense, pc.dp_cp_group, pc.dp_cp_size, step)
+                experts = [(n, p) for n, p in self.named_params if is_expert_param(p)]
+                check_dp_replicas(experts, pc.edp_cp_group, pc.edp_cp_size, step)  # same ep
                 if not self.tied.copies_equal():
                     raise SanityCheckError(f"step {step}: tied parameter copies disagree")
         seq = cfg.sequence_length_at(step + s.data_step_offset)  # data stages may change it
@@ -370,7 +374,12 @@ def train(
         # first and says who did not arrive.
         backstop = timedelta(seconds=par.collective_timeout_s + BACKEND_TIMEOUT_MARGIN_S)
         pc = ParallelContext(
-            dp=par.dp, tp=par.tp, pp=par.pp, timeout=backstop, cp=par.context_parallel_size
+            dp=par.dp,
+            tp=par.tp,
+            pp=par.pp,
+            timeout=backstop,
+            cp=par.context_parallel_size,
+            ep=par.expert_parallel_size,
         )
     trainer = None
     try:

@@ -3,7 +3,8 @@
 - buckets.py: `DataParallelGrads` (zero_stage 0), the buckets and the ownership interface the
   optimizer, clipping and checkpoints read (`owned_pieces`, `grad_norm_views`, ...);
 - zero.py: ZeRO-1 (optimizer state sharded) and ZeRO-2 (gradients too);
-- zero3.py: ZeRO-3 (parameters too, gathered block by block).
+- zero3.py: ZeRO-3 (parameters too, gathered block by block);
+- split.py: `SplitGrads`, dense and expert parameters each over their own group, as one.
 
 Each module imports only the ones above it in this list. `build_data_parallel` is the entry:
 it picks the class of a zero stage. The reduction group is an argument, never read from a
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron_parallel.data_parallel.buckets import Bucket, DataParallelGrads, OwnedPiece
+from nanotron_parallel.data_parallel.split import SplitGrads
 from nanotron_parallel.data_parallel.zero import ZeroOneGrads, ZeroTwoGrads
 from nanotron_parallel.data_parallel.zero3 import ZeroThreeGrads
 
@@ -24,6 +26,7 @@ __all__ = [
     "Bucket",
     "DataParallelGrads",
     "OwnedPiece",
+    "SplitGrads",
     "ZeroOneGrads",
     "ZeroThreeGrads",
     "ZeroTwoGrads",
@@ -52,7 +55,7 @@ def build_data_parallel(
     data-parallel one or data x context parallel. With dp = 1 a ZeRO stage changes nothing,
     so zero_stage 0 is used. `blocks`: the modules the stage calls, in forward order, each
     with the parameters it reads (ZeRO-3 gathers those around its forward and backward).
-    kwargs: grad_dtype, bucket_cap_mb, full_reduce, tensor_collectives."""
+    kwargs: grad_dtype, bucket_cap_mb, full_reduce, tensor_collectives, grad_scale."""
     if zero_stage not in ZERO_STAGES:
         raise ValueError(
             f"optimizer.zero_stage={zero_stage} is not supported: {sorted(ZERO_STAGES)}"

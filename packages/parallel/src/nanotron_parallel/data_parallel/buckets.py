@@ -86,7 +86,11 @@ class DataParallelGrads:
         bucket_cap_mb: float = 25.0,
         full_reduce: set[int] | None = None,
         tensor_collectives: bool | None = None,
+        grad_scale: float | None = None,
     ) -> None:
+        """`grad_scale`: the factor each gradient is added with (default 1 / dp_size: the
+        reduction sums means). Expert parameters reduce over a smaller group but are scaled
+        like dense ones, by the full dp x cp count."""
         unique: list[nn.Parameter] = []
         seen: set[int] = set()
         for p in params:
@@ -100,7 +104,8 @@ class DataParallelGrads:
         if tensor_collectives is None:
             tensor_collectives = dp_group is not None and dist.get_backend(dp_group) == "nccl"
         self.tensor_collectives = tensor_collectives
-        self._grad_scale = 1.0 / dp_size  # pre-divided in the hook: the reduction sums means
+        # pre-divided in the hook: the reduction sums means
+        self._grad_scale = 1.0 / dp_size if grad_scale is None else grad_scale
         self._norm_views: list[torch.Tensor] | None = None
         self.armed = False
         self.buckets: list[Bucket] = []
@@ -157,7 +162,7 @@ class DataParallelGrads:
         return 1
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if self.dp_size == 1:
+        if self._grad_scale == 1.0:
             param.main_grad.add_(param.grad)
         else:
             param.main_grad.add_(param.grad, alpha=self._grad_scale)

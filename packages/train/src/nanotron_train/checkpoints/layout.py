@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from nanotron_parallel.sharding import ParamMeta, get_param_meta
+from nanotron_parallel.sharding import ParamMeta, expert_shard, get_param_meta
 
 FORMAT_VERSION = 2  # 2: RNG states in safetensors (rng_state.py); 1: pickled, still read
 KNOWN_FORMAT_VERSIONS = (1, 2)
@@ -76,13 +76,34 @@ class ShardInfo:
 
     @staticmethod
     def of(param: torch.Tensor, tp_rank: int, tp_size: int) -> ShardInfo:
+        """What this rank holds of `param`. An expert parameter (replicated over tp) is
+        described as the ep shard it is, along dim 0 of the [num_experts, ...] tensor, in the
+        rank/size fields: checkpoints store it whole (`whole`), so a load at any ep cuts it."""
         meta: ParamMeta | None = get_param_meta(param)
         shape = tuple(param.shape)
+        experts = expert_shard(param)
+        if experts is not None:
+            full = experts.full_shape(shape)
+            return ShardInfo(shape, full, 0, None, experts.ep_rank, experts.ep_size)
         if meta is None or meta.shard_dim is None:
             return ShardInfo(shape, shape, None, None, tp_rank, tp_size)
         return ShardInfo(
             shape, tuple(meta.full_shape), meta.shard_dim, meta.sections, tp_rank, tp_size
         )
+
+
+def whole(shape: tuple[int, ...], tp_rank: int, tp_size: int) -> ShardInfo:
+    """A tensor stored whole (an expert parameter reassembled over ep)."""
+    return ShardInfo(tuple(shape), tuple(shape), None, None, tp_rank, tp_size)
+
+
+def expert_offset(param: torch.Tensor) -> int:
+    """Where `param`'s flat elements start in its full tensor: an expert parameter's local
+    experts come after the first_local_expert experts before them; 0 for any other."""
+    experts = expert_shard(param)
+    if experts is None:
+        return 0
+    return experts.first_local_expert * (param.numel() // experts.num_local_experts)
 
 
 def canonical_name(name: str, param: torch.Tensor) -> str:

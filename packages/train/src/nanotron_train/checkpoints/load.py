@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from nanotron_parallel.sharding import is_expert_param
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.files import read_verified
 from nanotron_train.checkpoints.layout import (
@@ -131,8 +132,8 @@ def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
     check_model_config(folder, meta, state.model.config)
     check_files(folder, meta)
     topo = meta["topology"]
-    saved = (topo["dp"], topo["tp"], topo["pp"], topo.get("cp", 1))
-    same = saved == (pc.dp_size, pc.tp_size, pc.pp_size, pc.cp_size)
+    saved = (topo["dp"], topo["tp"], topo["pp"], topo.get("cp", 1), topo.get("ep", 1))
+    same = saved == (pc.dp_size, pc.tp_size, pc.pp_size, pc.cp_size, pc.ep_size)
     src = CheckpointSource.open(folder, meta)
     own = [
         model_file(pc.pp_rank, pc.tp_rank),
@@ -167,11 +168,15 @@ def _destinations(state, cfg, pc, own: list[str]) -> dict[str, dict[str, torch.T
     copy. A checksum error after such a read leaves them unverified, which is why a failed
     load_checkpoint is fatal for its caller (the trainer exits on it).
     """
-    model = {name: p for name, p in state.model.named_parameters() if is_stored_copy(name, p)}
+    model = {
+        name: p
+        for name, p in state.model.named_parameters()
+        if is_stored_copy(name, p) and not is_expert_param(p)  # experts: stored whole
+    }
     optim: dict[str, torch.Tensor] = {}
     inner = state.optimizer.inner
     for piece in state.optimizer.pieces if cfg.checkpoints.load_optimizer else []:
-        if not is_stored_copy(piece.name, piece.param):
+        if not is_stored_copy(piece.name, piece.param) or is_expert_param(piece.param):
             continue
         key = functools.partial(piece_key, piece.name, piece.start, piece.end)
         if piece.is_copy:

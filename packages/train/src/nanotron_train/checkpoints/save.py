@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from nanotron_parallel.sharding import gather_full, is_expert_param
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.files import (
     FileRecord,
@@ -38,12 +39,14 @@ from nanotron_train.checkpoints.layout import (
     SLOW_WRITE_ENV,
     TMP_PREFIX,
     ShardInfo,
+    expert_offset,
     is_stored_copy,
     list_dirs,
     model_file,
     optimizer_file,
     piece_key,
     rng_file,
+    whole,
 )
 from nanotron_train.checkpoints.rng_state import rng_tensors
 from nanotron_train.checkpoints.safetensors_io import save_tensors
@@ -57,34 +60,59 @@ def _slow_write() -> None:
         time.sleep(delay)
 
 
-def model_tensors(model: torch.nn.Module, pc) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """This (pp, tp) rank's parameter shards by global name, tied copies left out."""
+def expert_tensors(model: torch.nn.Module, pc) -> dict[str, torch.Tensor]:
+    """Every expert parameter whole, [num_experts, ...] by global expert index, gathered over
+    the ep group (collective over it: every rank with edp_cp_rank 0 calls it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if is_expert_param(p):
+            out[name] = gather_full(p, pc.ep_group, 0) if pc.ep_size > 1 else p.detach()
+    return out
+
+
+def model_tensors(
+    model: torch.nn.Module, pc, experts: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """This (pp, tp) rank's parameter shards by global name, tied copies left out; expert
+    parameters whole (`experts`, from expert_tensors)."""
     tensors, infos = {}, {}
     for name, p in model.named_parameters():
-        if is_stored_copy(name, p):
+        if name in (experts or {}):
+            tensors[name] = experts[name]
+            infos[name] = whole(experts[name].shape, pc.tp_rank, pc.tp_size).to_dict()
+        elif is_stored_copy(name, p):
             tensors[name] = p.detach()
             infos[name] = ShardInfo.of(p, pc.tp_rank, pc.tp_size).to_dict()
     return tensors, infos
 
 
-def optimizer_tensors(optimizer, pc) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Adam moments (and fp32 masters of low-precision models) of this rank's pieces."""
+def optimizer_tensors(
+    optimizer, pc, experts_only: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Adam moments (and fp32 masters of low-precision models) of this rank's pieces. An
+    expert parameter's pieces are keyed by their range in the whole [num_experts, ...] tensor.
+    `experts_only`: leave the dense pieces to another rank (unsharded: ep rank 0's)."""
     tensors: dict[str, torch.Tensor] = {}
     pieces, params, adam_step = [], {}, 0
     inner = optimizer.inner
     for pc_ in optimizer.pieces:
-        if not is_stored_copy(pc_.name, pc_.param):
+        expert = is_expert_param(pc_.param)
+        if not is_stored_copy(pc_.name, pc_.param) or (experts_only and not expert):
             continue
-        pieces.append([pc_.name, pc_.start, pc_.end])
-        params[pc_.name] = ShardInfo.of(pc_.param, pc.tp_rank, pc.tp_size).to_dict()
+        start, end = pc_.start + expert_offset(pc_.param), pc_.end + expert_offset(pc_.param)
+        pieces.append([pc_.name, start, end])
+        info = ShardInfo.of(pc_.param, pc.tp_rank, pc.tp_size)
+        if expert:
+            info = whole(info.full_shape, pc.tp_rank, pc.tp_size)
+        params[pc_.name] = info.to_dict()
         state = inner.state.get(pc_.master, {}) if inner is not None else {}
         for kind in optimizer.state_kinds(pc_):  # Adam's moments, Muon's momentum
             if kind in state:
-                tensors[piece_key(pc_.name, pc_.start, pc_.end, kind)] = state[kind]
+                tensors[piece_key(pc_.name, start, end, kind)] = state[kind]
         if "step" in state:
             adam_step = int(float(state["step"]))
         if pc_.is_copy:
-            tensors[piece_key(pc_.name, pc_.start, pc_.end, "master")] = pc_.master
+            tensors[piece_key(pc_.name, start, end, "master")] = pc_.master
     meta = {"adam_step": adam_step, "pieces": pieces, "params": params}
     return tensors, {**meta, "optimizer": optimizer.settings()}  # each group's settings
 
@@ -198,13 +226,17 @@ def _host(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tenso
 def snapshot(state, cfg, pc, zero_stage: int, copy: bool) -> Snapshot:
     files: list[tuple[str, dict[str, torch.Tensor] | None, Any]] = []
     # Replicas over dp and cp hold the same parameters: the first of each writes them; ZeRO
-    # shards the optimizer over dp x cp, so its files are indexed by the dp_cp rank.
+    # shards the optimizer over dp x cp, so its files are indexed by the dp_cp rank. Experts
+    # differ over ep: gathered whole for the model file, and without ZeRO the first replica of
+    # each ep rank writes its experts' optimizer pieces.
+    experts = expert_tensors(state.model, pc) if pc.edp_cp_rank == 0 else None
     if pc.dp_cp_rank == 0:
-        tensors, infos = model_tensors(state.model, pc)
+        tensors, infos = model_tensors(state.model, pc, experts)
         meta = {"params": infos, "pp_rank": pc.pp_rank, "tp_rank": pc.tp_rank}
         files.append((model_file(pc.pp_rank, pc.tp_rank), _host(tensors, copy), meta))
-    if zero_stage > 0 or pc.dp_cp_rank == 0:
-        tensors, meta = optimizer_tensors(state.optimizer, pc)
+    if zero_stage > 0 or pc.edp_cp_rank == 0:
+        only = zero_stage == 0 and pc.dp_cp_rank != 0
+        tensors, meta = optimizer_tensors(state.optimizer, pc, experts_only=only)
         path = optimizer_file(pc.pp_rank, pc.tp_rank, pc.dp_cp_rank)
         files.append((path, _host(tensors, copy), meta))
     rng, rng_meta = rng_tensors()  # fresh copies already: no host copy needed when async
@@ -231,6 +263,7 @@ def snapshot(state, cfg, pc, zero_stage: int, copy: bool) -> Snapshot:
             "tp": pc.tp_size,
             "pp": pc.pp_size,
             "cp": pc.cp_size,
+            "ep": pc.ep_size,
             "zero_stage": zero_stage,
         },
         "model_config": state.model.config.to_dict(),

@@ -20,6 +20,17 @@ from nanotron_train.checkpoints.layout import ShardInfo, model_file, optimizer_f
 from nanotron_train.checkpoints.safetensors_io import load_tensors, read_header
 
 
+def optimizer_ranks(topo: dict) -> list[int]:
+    """The dp_cp ranks that wrote optimizer files: ZeRO shards over dp x cp (every rank);
+    unsharded, dp_cp rank 0 and, under expert parallelism, the first replica of each ep rank
+    (dp_rank = ep_rank, cp_rank 0: dp_cp rank ep_rank * cp) for its experts. cp and ep are 1
+    where absent."""
+    cp, ep = topo.get("cp", 1), topo.get("ep", 1)
+    if topo.get("zero_stage", 0):
+        return list(range(topo["dp"] * cp))
+    return [e * cp for e in range(ep)]
+
+
 @dataclass
 class _Piece:
     file: str
@@ -52,10 +63,7 @@ class CheckpointSource:
                 _, ours = read_header(folder / rel)
                 for name, info in ours.get("params", {}).items():
                     src.model.setdefault(name, {})[t] = (rel, ShardInfo.from_dict(info))
-                # ZeRO shards over dp x cp (files indexed by dp_cp rank); cp is 1 if absent
-                shards = topo["dp"] * topo.get("cp", 1)
-                dps = range(shards) if topo.get("zero_stage", 0) else [0]
-                for d in dps:
+                for d in optimizer_ranks(topo):
                     rel = optimizer_file(p, t, d)
                     src._require(rel, records)
                     entries, ours = read_header(folder / rel)
