@@ -2,7 +2,7 @@
 top-1, a shared expert on every layer, Nanotron's defaults for the rest), every moe_config
 refusal is one line naming its key, and with only sizes, layout and paths changed it trains
 in one process (bf16, as written) with the expected parameter count and active FLOPs; the
-convert commands take a Hugging Face Qwen2-MoE folder in and write it back."""
+convert commands take a Hugging Face Qwen2-MoE folder in and write it back unchanged."""
 
 from __future__ import annotations
 
@@ -112,3 +112,40 @@ def test_config_qwen_with_moe_trains_with_sizes_layout_and_paths_changed(tmp_pat
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(256), abs=0.15) and losses[1] != losses[0]
     assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+def test_convert_qwen2_moe_folder_from_hf_and_back(tmp_path):
+    """A transformers Qwen2MoeForCausalLM folder (experts stored per expert, as the Hub has
+    them; layer 0 dense) -> our checkpoint -> a folder transformers loads with every tensor
+    and the MoE config unchanged."""
+    import transformers
+
+    from nanotron_models.hf_qwen2_moe import qwen2_moe_config_to_hf
+    from nanotron_models.moe import MoEConfig
+    from nanotron_models.qwen2 import Qwen2Config
+    from nanotron_train.convert import main as convert_main
+
+    moe = MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=16, layers=[1],
+                    shared_expert_intermediate_size=24, enable_shared_expert=True)  # fmt: skip
+    ours = Qwen2Config(**SIZES, attention_bias=True, moe_config=moe, bos_token_id=0,
+                       eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Qwen2MoeForCausalLM(qwen2_moe_config_to_hf(ours)).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "experts" in name:  # transformers leaves them uninitialised
+                p.normal_(0.0, 0.02)
+    hf.save_pretrained(tmp_path / "hf")
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    assert convert_main(["from-hf", "--hf-path", str(tmp_path / "hf"), "--out", str(ckpt)]) == 0
+    mc = load_config(ckpt / "0" / "config.yaml").model.model_config
+    assert mc.moe_config.moe_layers(2) == [1] and mc.moe_config.enable_shared_expert
+    assert (
+        convert_main(["to-hf", "--ckpt-path", str(ckpt), "--out", str(back), "--no-tokenizer"]) == 0
+    )
+    again = transformers.AutoModelForCausalLM.from_pretrained(back).float()
+    assert type(again).__name__ == "Qwen2MoeForCausalLM"
+    assert again.config.mlp_only_layers == [0] and again.config.num_experts_per_tok == 2
+    theirs = hf.state_dict()
+    assert sorted(again.state_dict()) == sorted(theirs)
+    assert all(torch.equal(t, theirs[k]) for k, t in again.state_dict().items())
