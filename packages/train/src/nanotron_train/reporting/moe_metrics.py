@@ -3,8 +3,8 @@
 Each MoE block keeps device statistics over the step's micro-batches (`stats`: `load`, the
 (token, slot) assignments to each global expert from this rank's tokens; `aux_loss` and
 `z_loss`, sums over micro-batches of their values before any coefficient; `micro_batches`),
-reset by the trainer at the start of every step. Nothing is read during the step. On a logged step every
-rank packs them into ONE [num_hidden_layers, E + 3] float64 tensor (row l: layer l's load
+reset by the trainer at the start of every step. Nothing is read during the step. On a logged
+step every rank packs them into ONE [num_hidden_layers, E + 3] float64 tensor (row l: layer l's load
 over the experts, then its aux and z sums and its micro-batch count; zero where this rank does
 not hold layer l) and one all-reduce over the world gives every rank the step's totals. The
 weights make that sum count each token once:
@@ -65,15 +65,13 @@ class MoEMetrics:
         held = [(layer, b.stats) for layer, b in self.blocks if b.stats.load is not None]
         if not held:
             return packed
-        mine = []
-        for _, st in held:
-            scalars = torch.stack([st.aux_loss.detach(), st.z_loss.detach()]).double()
-            mb = torch.tensor([float(st.micro_batches)], dtype=torch.float64, device=packed.device)
-            load = st.load.detach().double() * self.weight_load
-            mine.append(torch.cat([load, scalars * self.weight_loss, mb * self.weight_loss]))
+        loads = torch.stack([st.load for _, st in held]).double() * self.weight_load
+        losses = torch.stack([torch.stack([st.aux_loss, st.z_loss]) for _, st in held]).double()
+        counts = [[float(st.micro_batches)] for _, st in held]
+        mbs = torch.tensor(counts, dtype=torch.float64, device=packed.device)
+        mine = torch.cat([loads, losses * self.weight_loss, mbs * self.weight_loss], dim=1)
         rows = torch.tensor([layer for layer, _ in held], device=packed.device)
-        packed.index_copy_(0, rows, torch.stack(mine))
-        return packed
+        return packed.index_copy_(0, rows, mine.detach())
 
     def collect(self) -> dict[str, Any]:
         """The record's MoE values (collective over the world: every rank, same steps)."""
@@ -85,36 +83,25 @@ class MoEMetrics:
     def values(self, packed: torch.Tensor) -> dict[str, Any]:
         """From the reduced [layers, E + 3] table: per-layer and overall values."""
         e = self.num_experts
-        micro_batches = packed[:, e + 2]
-        layers = [int(i) for i in torch.nonzero(micro_batches > 0).flatten()]
-        if not layers:
+        rows = {i: row for i, row in enumerate(packed.tolist()) if row[e + 2] > 0}
+        if not rows:
             return {}
         out: dict[str, Any] = {}
-        aux, z, worst = [], [], 0.0
-        loads: dict[str, list[int]] = {}
-        for layer in layers:
-            row = packed[layer]
-            mean_aux = float(row[e] / row[e + 2])
-            mean_z = float(row[e + 1] / row[e + 2])
-            imbalance = imbalance_of(row[:e])
-            aux.append(mean_aux)
-            z.append(mean_z)
-            worst = max(worst, imbalance)
-            out[f"moe/layer_{layer}/aux_loss"] = mean_aux
-            out[f"moe/layer_{layer}/load_imbalance"] = imbalance
-            loads[str(layer)] = [int(round(v)) for v in row[:e].tolist()]
-        out["moe/aux_loss"] = sum(aux) / len(aux)
+        for layer, row in rows.items():
+            out[f"moe/layer_{layer}/aux_loss"] = row[e] / row[e + 2]
+            out[f"moe/layer_{layer}/load_imbalance"] = imbalance_of(row[:e])
+        out["moe/aux_loss"] = sum(row[e] / row[e + 2] for row in rows.values()) / len(rows)
         if self.z_loss:
-            out["moe/z_loss"] = sum(z) / len(z)
-        out["moe/load_imbalance"] = worst
-        out[LOAD_KEY] = loads
+            out["moe/z_loss"] = sum(row[e + 1] / row[e + 2] for row in rows.values()) / len(rows)
+        out["moe/load_imbalance"] = max(out[f"moe/layer_{i}/load_imbalance"] for i in rows)
+        out[LOAD_KEY] = {str(i): [int(round(v)) for v in row[:e]] for i, row in rows.items()}
         return out
 
 
-def imbalance_of(load: torch.Tensor) -> float:
+def imbalance_of(load: list[float]) -> float:
     """max / mean of one layer's expert loads (NaN when no token was routed)."""
-    mean = float(load.mean())
-    return float(load.max()) / mean if mean > 0 else float("nan")
+    mean = sum(load) / len(load)
+    return max(load) / mean if mean > 0 else float("nan")
 
 
 def moe_load_message(step: int, time_s: float, loads: dict[str, list[int]]) -> dict[str, Any]:
