@@ -72,10 +72,10 @@ def test_moe_load_stored_and_served_per_layer(c):
 
 def test_long_runs_are_downsampled_to_evenly_spaced_steps(c):
     post(c, {"type": "run_start", "run_id": "long"})
-    post(c, [moe_load("long", s, [0], experts=8) for s in range(1, 201)])
+    post(c, [moe_load("long", s, [0], experts=8) for s in range(1, 101)])
     h = c.get("/api/runs/long/moe_load?max_steps=5").json()
-    assert h["total"] == 200 and h["steps"] == [1, 51, 101, 150, 200]
-    assert h["counts"][-1] == [e + 1 + 200 for e in range(8)]
+    assert h["total"] == 100 and h["steps"] == [1, 26, 51, 75, 100]
+    assert h["counts"][-1] == [e + 1 + 100 for e in range(8)]
 
 
 @pytest.mark.parametrize(
@@ -149,3 +149,18 @@ def test_a_schema_3_database_upgrades_and_reads_its_old_rank_stats(tmp_path, req
         post(s, moe_load("old", 10, [0]))
         assert s.get("/api/runs/old/moe_load").json()["counts"] == [[11, 12, 13, 14]]
     assert SCHEMA_VERSION == 4
+
+
+def test_the_queue_cost_of_a_moe_load_covers_its_parsed_memory():
+    import tracemalloc
+
+    from nanotron_dashboard import ingest
+    from nanotron_dashboard.messages import parse_messages
+
+    for layers, experts in ((48, 128), (2, 1024), (1, 1)):
+        raw = json.dumps(moe_load("mem", 7, range(layers), experts=experts) | {"time": 1.0})
+        tracemalloc.start()
+        parsed = parse_messages(raw)
+        used, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert ingest._cost(len(raw), 1, parsed[0]) >= used, (layers, experts, used)

@@ -19,6 +19,7 @@ MAX_MOE_EXPERTS = 1024  # experts of one layer
 # Parsed memory per count (a Python int in a list, measured like the rank entries) and per layer
 MOE_COUNT_MEMORY = 40
 MOE_LAYER_MEMORY = 600
+MOE_MESSAGE_MEMORY = 2048  # the message itself
 
 
 class MoELayerLoad(BaseModel):
@@ -46,4 +47,4 @@ class MoELoad(Msg):
 
     def memory_bytes(self) -> int:
         n = sum(len(x.counts) for x in self.layers)
-        return n * MOE_COUNT_MEMORY + len(self.layers) * MOE_LAYER_MEMORY
+        return MOE_MESSAGE_MEMORY + n * MOE_COUNT_MEMORY + len(self.layers) * MOE_LAYER_MEMORY
