@@ -106,6 +106,10 @@ def test_step_line_and_sinks(tmp_path):
     msg = sent[1][1]
     assert sent[0] == ("metrics", 3) and msg["type"] == "moe_load" and msg["step"] == 3
     assert msg["layers"] == [{"layer": 1, "counts": [3, 1]}]
+    # what the dashboard accepts (its own model of the message)
+    from nanotron_dashboard.messages import validate
+
+    assert validate({**msg, "run_id": "r"}).layers[0].counts == [3, 1]
     assert moe_load_message(3, 0.0, {})["layers"] == []
 
 
