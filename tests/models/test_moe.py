@@ -3,7 +3,8 @@ Qwen2MoeSparseMoeBlock with the same weights (outputs and gradients), the groupe
 against the loop over experts and a dense per-expert reference (also when the router sends
 every token to one expert: nothing dropped), the balance losses against a hand computation and
 HF's load_balancing_loss_func, their gradient reaching the router, recompute counting a
-micro-batch once, and the whole Qwen2-MoE model against transformers (logits, greedy decoding,
+micro-batch once, the sigmoid_bias router (its bias picks, the scores weigh; the update moves
+against the load), and the whole Qwen2-MoE model against transformers (logits, greedy decoding,
 the state dict both ways)."""
 
 from __future__ import annotations
@@ -230,3 +231,27 @@ def test_qwen2_moe_against_transformers_logits_generate_and_back(pc1, hf_moe):
         ).shared_expert_intermediate_size
         == 0
     )
+
+
+def test_sigmoid_bias_router_steers_the_choice_not_the_weights_and_updates_against_load(pc1):
+    from nanotron_models.moe import update_expert_biases
+
+    b = block(pc1, moe_qwen2(router="sigmoid_bias", norm_topk_prob=True))
+    b.router.bias_update_rate = 0.01
+    x = torch.randn(5, 2, H, generator=torch.Generator().manual_seed(9))
+    flat = x.reshape(-1, H)
+    with torch.no_grad():
+        scores = torch.sigmoid(flat @ b.router.weight.T)
+        b.router.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))
+        r = b.router(flat)
+    assert (r.topk_idx[:, 0] == 0).all()  # the bias decides the choice...
+    chosen = scores.gather(1, r.topk_idx)
+    assert rel_err(r.topk_weight, chosen / chosen.sum(1, keepdim=True)) < 1e-6  # ...not the weights
+    with torch.no_grad():
+        assert rel_err(b(x), dense_reference(b, x)) < 1e-6
+    b(x).sum().backward()  # a training forward: the step's load
+    load = b.stats.load.clone()
+    assert float(load[0]) == 10 and float(load.sum()) == 10 * K
+    update_expert_biases([(0, b)], [None])
+    expected = torch.tensor([10.0, 0.0, 0.0, 0.0]) + 0.01 * torch.sign(load.mean() - load)
+    assert torch.equal(b.router.expert_bias, expected)
