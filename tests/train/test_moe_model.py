@@ -78,6 +78,7 @@ def test_config_qwen_with_moe_trains_with_sizes_layout_and_paths_changed(tmp_pat
     from nanotron_models import family_of
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.data.testing import make_id_nanoset
+    from nanotron_train.interop.nanotron_names import from_nanotron, to_nanotron
     from nanotron_train.model_factory import build_model
     from nanotron_train.trainer import train
 
@@ -105,6 +106,9 @@ def test_config_qwen_with_moe_trains_with_sizes_layout_and_paths_changed(tmp_pat
     pc = ParallelContext(1, 1, 1)
     model = build_model(cfg.model, 42, 32, pc)
     assert sum(p.numel() for p in model.parameters()) == total
+    names = [n for n, _ in model.named_parameters()]  # Nanotron's names of every one, both ways
+    assert [from_nanotron(to_nanotron(n)) for n in names] == names
+    assert to_nanotron("decoder.1.mlp.experts.gate_up_proj").endswith("merged_gate_up_proj")
     assert model.decoder["0"].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     records: list[dict] = []
     train(cfg, pc, stream=io.StringIO(), on_record=records.append)

@@ -1,4 +1,4 @@
-"""Our parameter names <-> Nanotron's (its LlamaForTraining module tree).
+"""Our parameter names <-> Nanotron's (its LlamaForTraining / Qwen2 module tree).
 
 Used where a Nanotron user writes or has Nanotron names: the regexes of
 `optimizer.weight_decay_exclude_named_params` and the files of a Nanotron checkpoint.
@@ -17,6 +17,13 @@ _DECODER = {
     "attn.o_proj.bias": "attn.o_proj.bias",
     "mlp.gate_up.weight": "mlp.gate_up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
+    # A Qwen2 MoE layer (Nanotron's nn/moe.py): the experts stacked the same way, [E, H, 2I]
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.experts.gate_up_proj": "mlp.experts.merged_gate_up_proj",
+    "mlp.experts.down_proj": "mlp.experts.merged_down_proj",
+    "mlp.shared_expert.gate_up.weight": "mlp.shared_expert.gate_up_proj.weight",
+    "mlp.shared_expert.down.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
 }
 _TOP = {
     "embedding.weight": "model.token_position_embeddings.pp_block.token_embedding.weight",
