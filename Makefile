@@ -35,8 +35,9 @@ setup: $(STAMP)
 
 # The suite includes tests/packaging: it builds the four sdists and wheels and installs them
 # into fresh virtual environments (the dashboard alone; parallel + models + train alone).
+# --durations: the slowest tests in the log, where the suite's time budget is watched.
 test: setup chromium npm postgres
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -8,3 +8,14 @@ from pathlib import Path
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+# The distributed tests' children fork from a server that imported these once (see
+# nanotron_parallel.testing): most tests' ranks build a model or a trainer.
+from nanotron_parallel.testing import preload  # noqa: E402
+
+preload(
+    "nanotron_models",
+    "nanotron_train.trainer",
+    "nanotron_train.config",
+    "tests.train.test_checkpoint",
+)
