@@ -188,7 +188,7 @@ def test_checkpoint_files_and_listing(runs, capsys):
     root = runs["root"] / "w4"
     assert (root / "latest.txt").read_text().strip() == str(STEPS)
     meta = json.loads((root / "6" / "checkpoint_metadata.json").read_text())
-    assert meta["topology"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "zero_stage": 1}
+    assert meta["topology"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 1}
     assert meta["step"] == HALF and meta["consumed_samples"] == 4 * HALF
     assert meta["consumed_tokens"] == 4 * 16 * HALF
     paths = sorted(f["path"] for f in meta["files"])

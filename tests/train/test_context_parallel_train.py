@@ -142,7 +142,7 @@ def test_cp2_matches_one_process_and_resumes_across_cp(folders, reference):
     from nanotron_train.checkpoints.listing import list_checkpoints, to_table
 
     saved = {e.step: e.topology for e in list_checkpoints(folders["cp2"])}
-    assert saved[RESUME_AT] == {"dp": 1, "tp": 1, "pp": 1, "cp": 2, "zero_stage": 1}
+    assert saved[RESUME_AT] == {"dp": 1, "tp": 1, "pp": 1, "cp": 2, "ep": 1, "zero_stage": 1}
     assert "  1,2,1,1,1  " in to_table(list_checkpoints(folders["cp2"]))
     # Saved at cp=2 (optimizer state in 2 ZeRO shards), resumed at cp=1 (one process): equal
     # to the uninterrupted cp=2 run.

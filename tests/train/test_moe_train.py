@@ -3,7 +3,9 @@ config_qwen_with_moe.yaml at test sizes: 4 experts, top-2, a shared expert) at e
 either dispatcher and with tp=2 (sequence parallel), pp=2, cp=2, ZeRO-1 and ZeRO-3, every
 step's lm_loss, aux loss and grad_norm within 1e-5 of one process; a router forced to send
 every token to one expert drops nothing (same losses); a checkpoint saved at ep=2 resumes
-bitwise at ep=2 and within 1e-5 at ep=1. All layouts share one world-4 launch."""
+bitwise at ep=2 and within 1e-5 at ep=1; a step's host reads are the dispatchers' split
+sizes only, one per MoE layer and micro-batch (test_step_syncs.py's count, made explicit for
+expert parallelism). All layouts share one world-4 launch."""
 
 from __future__ import annotations
 
@@ -103,10 +105,67 @@ def _values(record: dict) -> dict:
     return {k: record.get(k) for k in ("lm_loss", "grad_norm", "moe/aux_loss")}
 
 
-def launch(layouts: list[dict]) -> list[dict]:
+def _host_reads(fn) -> dict[str, int]:
+    """Profiled host reads of `fn()` by where they happen: `sync` (a device sync on a GPU),
+    `grouped_mm` (torch's CPU grouped matmul reads its offsets; the CUDA kernel takes them on
+    the device), `optimizer` (torch's AdamW step counters, on the host) and the dispatchers'
+    named split-size reads (`split_sizes`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanotron_parallel.expert_parallel.functional import HOST_READ
+    from tests.train.test_step_syncs import SYNC_OPS
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    out = dict.fromkeys(("sync", "grouped_mm", "optimizer", "split_sizes"), 0)
+    for e in prof.events():
+        if e.name == HOST_READ:
+            out["split_sizes"] += 1
+        if e.name not in SYNC_OPS or e.name == "aten::_local_scalar_dense":
+            continue  # counted once, as aten::item / aten::is_nonzero
+        where, parent = "sync", e.cpu_parent
+        while parent is not None and where == "sync":
+            if parent.name == "aten::_grouped_mm":
+                where = "grouped_mm"
+            elif parent.name.startswith("Optimizer.step#"):
+                where = "optimizer"
+            parent = parent.cpu_parent
+        out[where] += 1
+    return out
+
+
+def count_syncs(layout: dict) -> dict:
+    """A third training step's host reads at an ep layout (the caller holds the default
+    group)."""
+    import torch.distributed as dist
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+
+    raw = moe_config(layout)
+    raw["logging"]["iteration_step_info_interval"] = 1000  # a logged step reads its loss
+    raw["general"]["ignore_sanity_checks"] = True  # the debugging checks read on the host
+    cfg = config_from_dict(raw, "moe.yaml", world_size=None)
+    pc = ParallelContext(dp=4, ep=2)
+    try:
+        trainer = Trainer(cfg, pc, stream=io.StringIO())
+        trainer.train_step()
+        trainer.train_step()
+        reads = _host_reads(trainer.train_step)
+        trainer.close()
+    finally:
+        dist.barrier()
+        pc.destroy()
+    return reads
+
+
+def launch(layouts: list[dict]) -> dict:
     torch.set_num_threads(1)
     with shared_default_group():
-        return train_layouts(layouts)
+        trained = train_layouts(layouts)
+        kinds = ("alltoall", "allgather")
+        syncs = {k: count_syncs({"dp": 4, "ep": 2, "dispatcher": k}) for k in kinds}
+    return {"trained": trained, "syncs": syncs}
 
 
 def _close(got: dict, ref: dict, what) -> None:
@@ -134,7 +193,15 @@ def test_expert_parallel_layouts_and_resume_equal_one_process(tmp_path) -> None:
         {"dp": 4, "ep": 2, "zero": 1, "skewed": True, "resume": f"{saved}/2"},
         {"dp": 4, "ep": 1, "zero": 1, "skewed": True, "resume": f"{saved}/2"},
     ]
-    results = run_distributed(launch, 4, layouts, timeout=400)[0]
+    ranks = run_distributed(launch, 4, layouts, timeout=400)
+    results = ranks[0]["trained"]
+    # A step's host reads: each dispatcher reads its split sizes once per MoE layer and
+    # micro-batch (2 layers, 1 micro-batch per dp rank); no other device sync. On the CPU
+    # torch's grouped matmul reads its offsets (2 reads a call forward, 4 backward; 2 calls a
+    # layer); the CUDA kernel takes them on the device.
+    for rank in ranks:
+        for kind, reads in rank["syncs"].items():
+            assert (reads["split_sizes"], reads["sync"], reads["grouped_mm"]) == (2, 0, 24), kind
     expected = [skewed, ref, ref, ref, ref]
     for layout, got, want in zip(layouts, results, expected):
         _close(got, want, layout)

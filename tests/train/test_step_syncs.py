@@ -5,6 +5,10 @@ A host sync shows up as one of the ops that copy a device scalar to the host
 must run none of them, at several layouts; a logged step reads exactly two values (the loss and
 the gradient norm). The pipeline's p2p payload messages per step equal the schedule's count,
 and after the first step (which agrees the shapes) no header is sent.
+
+Expert parallelism is the exception, counted where it is tested (tests/train/test_moe_train.py):
+each dispatcher reads its split sizes on the host once per MoE layer and micro-batch
+(`ep.host_read` in the profile), and nothing else.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from nanotron_parallel.expert_parallel.dispatch import Dispatched, expert_counts
 from nanotron_parallel.expert_parallel.functional import (
     all_gather_rows,
     gather_ids,
+    host_sizes,
     reduce_scatter_rows,
 )
 
@@ -50,7 +51,7 @@ class AllGatherDispatcher:
         ids = torch.where((ids >= 0) & (ids < local), ids, local)  # others: `local`
         counts = expert_counts(ids, local + 1)[:local]
         order = torch.argsort(ids, stable=True)
-        rows = order[: int(counts.sum())]  # host read: the number of local rows
+        rows = order[: host_sizes(counts.sum())]  # the number of local rows
         picked = tokens.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
         return Dispatched(picked, counts, _State(rows, topk_weight))
 

@@ -30,7 +30,7 @@ from nanotron_parallel.expert_parallel.dispatch import (
     sort_by_expert,
     weighted_unsort,
 )
-from nanotron_parallel.expert_parallel.functional import all_to_all, exchange_counts
+from nanotron_parallel.expert_parallel.functional import all_to_all, exchange_counts, host_sizes
 
 
 class _State(NamedTuple):
@@ -61,7 +61,7 @@ class AllToAllDispatcher:
         order, token_of_row = sort_by_expert(topk_idx)
         sent = expert_counts(topk_idx.reshape(-1), self.num_experts)  # [ep * local]
         received = exchange_counts(sent, self.group).view(ep, local)  # [source, local expert]
-        splits = torch.cat((sent.view(ep, local).sum(1), received.sum(1))).tolist()  # host
+        splits = host_sizes(torch.cat((sent.view(ep, local).sum(1), received.sum(1))))
         send, recv = splits[:ep], splits[ep:]
         rows = all_to_all(x.index_select(0, token_of_row), recv, send, self.group)
         # Received source-major: group them by local expert (stable: source order kept).

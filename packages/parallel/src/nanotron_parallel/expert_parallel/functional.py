@@ -105,6 +105,16 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceScatterRows.apply(x, group)
 
 
+HOST_READ = "ep.host_read"
+
+
+def host_sizes(sizes: torch.Tensor) -> list[int]:
+    """Row counts as Python ints: a dispatch's one device-to-host read (a sync on a GPU).
+    `.tolist()` runs no profiled op, so it is named (`HOST_READ`) for the step-sync count."""
+    with record_function(HOST_READ):
+        return sizes.tolist()
+
+
 def gather_ids(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's [T, ...] rows of a tensor without gradient (routing ids), in rank order."""
     return _gather(x, group)
