@@ -59,7 +59,8 @@ const NTM = (() => {
     h.counts.forEach((col, j) => {
       const uniform = h.tokens[j] / col.length;
       for (let e = 0; e < E; e++) {
-        g.fillStyle = uniform > 0 ? NTT.ramp(ratioT(col[e] / uniform)) : "#e3e6eb";
+        const known = uniform > 0 && col[e] !== undefined;  // a step may hold fewer experts
+        g.fillStyle = known ? NTT.ramp(ratioT(col[e] / uniform)) : "#e3e6eb";
         g.fillRect(left + j * cellW, top + e * cellH, Math.ceil(cellW), cellH);
       }
     });
@@ -83,6 +84,7 @@ const NTM = (() => {
     const e = Math.floor((ev.clientY - rect.top - geo.top) / geo.cellH);
     if (j < 0 || j >= geo.steps.length || e < 0 || e >= geo.experts) { $("moe-tip").textContent = ""; return; }
     const n = h.counts[j][e], total = h.tokens[j], share = total > 0 ? n / total : 0;
+    if (n === undefined) { $("moe-tip").textContent = "step " + geo.steps[j] + ", expert " + e + ": no count"; return; }
     $("moe-tip").textContent = "step " + geo.steps[j] + ", expert " + e + ": " + n + " tokens (" +
       NT.num(100 * share, 1) + "%, " + NT.num(share * h.counts[j].length, 2) + " x uniform)";
   }
