@@ -51,6 +51,7 @@ def test_one_rank_values():
     assert rec["moe/layer_1/aux_loss"] == pytest.approx(0.25)
     assert rec["moe/aux_loss"] == pytest.approx((0.25 + 0.1) / 2)
     assert rec["moe/z_loss"] == pytest.approx((0.125 + 0.05) / 2)
+    assert rec["moe/layer_3/z_loss"] == pytest.approx(0.05)
     m.z_loss = False
     assert "moe/z_loss" not in m.collect()
 

@@ -90,6 +90,8 @@ class MoEMetrics:
         for layer, row in rows.items():
             out[f"moe/layer_{layer}/aux_loss"] = row[e] / row[e + 2]
             out[f"moe/layer_{layer}/load_imbalance"] = imbalance_of(row[:e])
+            if self.z_loss:
+                out[f"moe/layer_{layer}/z_loss"] = row[e + 1] / row[e + 2]
         out["moe/aux_loss"] = sum(row[e] / row[e + 2] for row in rows.values()) / len(rows)
         if self.z_loss:
             out["moe/z_loss"] = sum(row[e + 1] / row[e + 2] for row in rows.values()) / len(rows)
