@@ -16,6 +16,7 @@ from nanotron_parallel.sharding import shard_tensor
 from .config import LlamaConfig, ModelConfigError
 from .init import llama_init_spec
 from .moe.config import moe_layers_of
+from .moe.hf_weights import moe_mlp_from_hf, moe_mlp_to_hf
 
 
 class HFConversionError(ValueError):
@@ -116,8 +117,6 @@ def config_to_hf(config: LlamaConfig) -> Any:
 
 def hf_state_dict_to_ours_full(hf_sd: dict[str, torch.Tensor], config: LlamaConfig) -> dict:
     """HF names/layout -> our global names, full (unsharded, unpadded) tensors."""
-    from .hf_qwen2_moe import moe_mlp_from_hf  # (it imports this module)
-
     out: dict[str, torch.Tensor] = {}
     moe = moe_layers_of(config)
 
@@ -192,8 +191,6 @@ def our_full_state_dict_to_hf(
     full_sd: dict[str, torch.Tensor], config: LlamaConfig
 ) -> dict[str, torch.Tensor]:
     """Our full (gathered over tp, padded or not) state dict -> HF names and layout."""
-    from .hf_qwen2_moe import moe_mlp_to_hf  # (it imports this module)
-
     c = config
     d = c.head_dim
     q, kv = c.num_attention_heads * d, c.n_kv_heads * d

@@ -5,7 +5,7 @@ Layers: HF makes layer i sparse unless it is in `mlp_only_layers` or (i + 1) is 
 of `decoder_sparse_step`; ours are `moe_config.layers`. Reading takes HF's set whatever its
 spelling; writing spells it as `mlp_only_layers` with a step of 1.
 
-Weights: HF's router is `mlp.gate.weight` [E, H] (ours `mlp.router.weight`). Its experts come
+Weights (moe/hf_weights.py, used by hf.py's state-dict conversion): HF's router is `mlp.gate.weight` [E, H] (ours `mlp.router.weight`). Its experts come
 either fused, as a transformers 5 model holds them (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]), or per expert, as checkpoints on the Hub store them and
 transformers writes them (`mlp.experts.<j>.{gate,up,down}_proj.weight`); both are read, the
@@ -20,18 +20,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from .config import ModelConfigError
 from .hf import import_transformers
+from .hf_qwen2 import _getter, _hf_rope, _rope, _window
 from .moe.config import MoEConfig
 from .qwen2 import Qwen2Config
 
 
 def qwen2_moe_config_from_hf(hf_config: Any) -> Qwen2Config:
     """Our Qwen2Config with moe_config from a transformers Qwen2MoeConfig (object or dict)."""
-    from .hf_qwen2 import _getter, _rope, _window
-
     get = _getter(hf_config)
     layers = get("num_hidden_layers")
     step = get("decoder_sparse_step") or 1
@@ -80,8 +77,6 @@ def qwen2_moe_config_from_hf(hf_config: Any) -> Qwen2Config:
 
 def qwen2_moe_config_to_hf(config: Qwen2Config) -> Any:
     """A transformers Qwen2MoeConfig of the same model."""
-    from .hf_qwen2 import _hf_rope
-
     transformers = import_transformers()
     c, m = config, config.moe_config
     if m.router != "softmax":
@@ -126,56 +121,3 @@ def qwen2_moe_config_to_hf(config: Qwen2Config) -> Any:
         decoder_sparse_step=1,
         mlp_only_layers=[i for i in range(layers) if i not in moe],
     )
-
-
-def moe_mlp_from_hf(take, has, hf: str, ours: str, config) -> dict[str, torch.Tensor]:
-    """One sparse layer's HF tensors (`hf` = "model.layers.i") under our names."""
-    m = config.moe_config
-    out = {f"{ours}.mlp.router.weight": take(f"{hf}.mlp.gate.weight")}
-    if has(f"{hf}.mlp.experts.gate_up_proj"):  # fused, as transformers 5 holds them
-        gate_up = take(f"{hf}.mlp.experts.gate_up_proj")
-        down = take(f"{hf}.mlp.experts.down_proj")
-    else:  # per expert, as the Hub stores them
-        experts = [f"{hf}.mlp.experts.{j}" for j in range(m.num_experts)]
-        gate_up = torch.stack(
-            [
-                torch.cat((take(f"{e}.gate_proj.weight"), take(f"{e}.up_proj.weight")))
-                for e in experts
-            ]
-        )
-        down = torch.stack([take(f"{e}.down_proj.weight") for e in experts])
-    out[f"{ours}.mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
-    out[f"{ours}.mlp.experts.down_proj"] = down.transpose(1, 2).contiguous()
-    if m.enable_shared_expert:
-        shared = [take(f"{hf}.mlp.shared_expert.{p}_proj.weight") for p in ("gate", "up")]
-        out[f"{ours}.mlp.shared_expert.gate_up.weight"] = torch.cat(shared)
-        out[f"{ours}.mlp.shared_expert.down.weight"] = take(
-            f"{hf}.mlp.shared_expert.down_proj.weight"
-        )
-        out[f"{ours}.mlp.shared_expert_gate.weight"] = take(f"{hf}.mlp.shared_expert_gate.weight")
-    return out
-
-
-def moe_mlp_to_hf(full_sd, hf: str, ours: str, config) -> dict[str, torch.Tensor]:
-    """One sparse layer's tensors under HF's per-expert names (the Hub's layout)."""
-    m, h = config.moe_config, config.hidden_size
-    out = {f"{hf}.mlp.gate.weight": full_sd[f"{ours}.mlp.router.weight"]}
-    gate_up = full_sd[f"{ours}.mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H]
-    down = full_sd[f"{ours}.mlp.experts.down_proj"].transpose(1, 2)  # [E, H, I]
-    for j in range(m.num_experts):
-        gate, up = gate_up[j].chunk(2, dim=0)
-        out[f"{hf}.mlp.experts.{j}.gate_proj.weight"] = gate
-        out[f"{hf}.mlp.experts.{j}.up_proj.weight"] = up
-        out[f"{hf}.mlp.experts.{j}.down_proj.weight"] = down[j]
-    if m.enable_shared_expert:
-        gate, up = full_sd[f"{ours}.mlp.shared_expert.gate_up.weight"].chunk(2, dim=0)
-        down_shared = full_sd[f"{ours}.mlp.shared_expert.down.weight"]
-        gate_w = full_sd[f"{ours}.mlp.shared_expert_gate.weight"]
-    else:  # HF always has one: size 0 adds nothing
-        gate = up = gate_up.new_zeros(0, h)
-        down_shared, gate_w = gate_up.new_zeros(h, 0), gate_up.new_zeros(1, h)
-    out[f"{hf}.mlp.shared_expert.gate_proj.weight"] = gate
-    out[f"{hf}.mlp.shared_expert.up_proj.weight"] = up
-    out[f"{hf}.mlp.shared_expert.down_proj.weight"] = down_shared
-    out[f"{hf}.mlp.shared_expert_gate.weight"] = gate_w
-    return out

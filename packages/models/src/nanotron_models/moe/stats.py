@@ -19,6 +19,8 @@ from torch import nn
 
 from nanotron_parallel.compile_boundary import eager_under_compile
 
+from .router import update_expert_bias
+
 
 class MoEStats:
     def __init__(self, num_experts: int):
@@ -51,11 +53,13 @@ def _modules(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
 
 
 def moe_blocks(model: nn.Module | Iterable[nn.Module]) -> list[tuple[int, nn.Module]]:
-    """(global layer index, MoEBlock) of a stage, or of a list of chunks, in layer order."""
-    from .block import MoEBlock
-
+    """(global layer index, MoEBlock) of a stage, or of a list of chunks, in layer order: the
+    modules holding MoE statistics (block.py imports this module, not the other way)."""
     found = {
-        m.layer: m for root in _modules(model) for m in root.modules() if isinstance(m, MoEBlock)
+        m.layer: m
+        for root in _modules(model)
+        for m in root.modules()
+        if isinstance(getattr(m, "stats", None), MoEStats)
     }
     return sorted(found.items())
 
@@ -79,8 +83,6 @@ def update_expert_biases(model, groups: Iterable) -> None:
     load, summed over `groups` (the ranks that saw other tokens: dp x cp, and tp under
     sequence parallel) so every replica applies the same update. One all-reduce for all the
     layers of the stage. `model`: a stage, its chunks, or `moe_blocks`' list."""
-    from .router import update_expert_bias
-
     blocks = model if isinstance(model, list) and model and isinstance(model[0], tuple) else None
     routers = [
         (b.router, b.stats.load)
