@@ -39,6 +39,20 @@ def test_config_qwen_with_moe_loads_with_nanotron_meanings():
     assert m.moe_layers(mc.num_hidden_layers) == list(range(12))
 
 
+def test_configuration_doc_lists_every_moe_key_with_its_default():
+    import dataclasses
+    import re
+
+    from nanotron_models.moe import MoEConfig
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    block = text.split("`moe_config` (Nanotron's `MoEConfig` keys")[1].split("\n\n")[1]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", block, flags=re.M))
+    fields = {f.name: getattr(MoEConfig(), f.name) for f in dataclasses.fields(MoEConfig)}
+    assert list(rows) == list(fields)
+    assert {k: yaml.safe_load(v.strip().strip("`")) for k, v in rows.items()} == fields
+
+
 REFUSED = {
     "top_k": (9, "top_k (9) must be at most num_experts (8)"),
     "layers": ([0, 12], "layers [12] are outside 0..11"),
