@@ -1,7 +1,7 @@
 """Expert parallelism trains the same model as one process: a Qwen2 MoE (Nanotron's
 config_qwen_with_moe.yaml at test sizes: 4 experts, top-2, a shared expert) at ep=2 with
-either dispatcher and with tp=2 (sequence parallel), pp=2, cp=2, ZeRO-1 and ZeRO-3, every
-step's lm_loss, aux loss and grad_norm within 1e-5 of one process; a router forced to send
+either dispatcher and with tp=2 (sequence parallel), pp=2 (zb-h1, recompute), cp=2, ZeRO-1
+and ZeRO-3, every step's lm_loss, aux loss and grad_norm within 1e-5 of one process; a router forced to send
 every token to one expert drops nothing (same losses); a checkpoint saved at ep=2 resumes
 bitwise at ep=2 and within 1e-5 at ep=1; a step's host reads are the dispatchers' split
 sizes only, one per MoE layer and micro-batch (test_step_syncs.py's count, made explicit for
@@ -47,6 +47,7 @@ def moe_config(layout: dict) -> dict:
     if layout.get("skewed"):
         mc["moe_config"].update(SKEWED)
     data["model"]["dtype"] = "float32"
+    data["model"]["compile"] = layout.get("compile", False)
     dp = layout.get("dp", 1)
     data["tokens"].update(sequence_length=32, micro_batch_size=1, train_steps=STEPS)
     data["tokens"]["batch_accumulation_per_replica"] = 4 // dp
@@ -59,7 +60,8 @@ def moe_config(layout: dict) -> dict:
     data["general"]["ignore_sanity_checks"] = False  # dense and expert replicas checked
     data["logging"]["iteration_step_info_interval"] = 1
     par = data["parallelism"]
-    par.update(dp=dp, tp=layout.get("tp", 1), pp=layout.get("pp", 1), pp_engine="1f1b")
+    par.update(dp=dp, tp=layout.get("tp", 1), pp=layout.get("pp", 1))
+    par["pp_engine"] = layout.get("engine", "1f1b")
     par.update(context_parallel_size=layout.get("cp", 1), expert_parallel_size=layout.get("ep", 1))
     par.update(tp_mode=layout.get("mode", "ALL_REDUCE"), tp_linear_async_communication=False)
     par["recompute_layer"] = layout.get("recompute", False)
@@ -187,7 +189,14 @@ def test_expert_parallel_layouts_and_resume_equal_one_process(tmp_path) -> None:
     layouts = [
         {"dp": 4, "ep": 2, "zero": 1, "skewed": True, "save": saved},
         {"dp": 2, "ep": 2, "tp": 2, "mode": "REDUCE_SCATTER"},
-        {"dp": 2, "ep": 2, "pp": 2, "dispatcher": "allgather", "recompute": True},
+        {
+            "dp": 2,
+            "ep": 2,
+            "pp": 2,
+            "engine": "zb-h1",
+            "dispatcher": "allgather",
+            "recompute": True,
+        },
         {"dp": 2, "ep": 2, "cp": 2, "dispatcher": "allgather"},
         {"dp": 4, "ep": 2, "zero": 3},
         {"dp": 4, "ep": 2, "zero": 1, "skewed": True, "resume": f"{saved}/2"},

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanotron_parallel.compile_boundary import eager_under_compile
 from nanotron_parallel.expert_parallel.dispatch import Dispatched, expert_counts
 from nanotron_parallel.expert_parallel.functional import (
     all_gather_rows,
@@ -44,6 +45,7 @@ class AllGatherDispatcher:
         self.num_local_experts = num_experts // self.ep_size
         self.first_local_expert = dist.get_rank(group) * self.num_local_experts
 
+    @eager_under_compile  # uneven sizes and collectives: a graph break, not a recompile each
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Dispatched:
         top_k, local = topk_idx.shape[1], self.num_local_experts
         tokens = all_gather_rows(x, self.group)  # [ep * T, H]
@@ -55,6 +57,7 @@ class AllGatherDispatcher:
         picked = tokens.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
         return Dispatched(picked, counts, _State(rows, topk_weight))
 
+    @eager_under_compile
     def combine(self, y: Tensor, state: Any) -> Tensor:
         num_tokens, top_k = state.weight.shape
         placed = y.new_zeros(num_tokens * top_k * self.ep_size, y.shape[-1])

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanotron_parallel.compile_boundary import eager_under_compile
 from nanotron_parallel.expert_parallel.dispatch import (
     Dispatched,
     expert_counts,
@@ -56,6 +57,7 @@ class AllToAllDispatcher:
         self.num_local_experts = num_experts // self.ep_size
         self.first_local_expert = dist.get_rank(group) * self.num_local_experts
 
+    @eager_under_compile  # uneven sizes and collectives: a graph break, not a recompile each
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Dispatched:
         ep, local = self.ep_size, self.num_local_experts
         order, token_of_row = sort_by_expert(topk_idx)
@@ -71,6 +73,7 @@ class AllToAllDispatcher:
         state = _State(order, topk_weight, regroup, send, recv)
         return Dispatched(rows.index_select(0, regroup), received.sum(0), state)
 
+    @eager_under_compile
     def combine(self, y: Tensor, state: Any) -> Tensor:
         rows = y.index_select(0, inverse_permutation(state.regroup))
         back = all_to_all(rows, state.send, state.recv, self.group)
