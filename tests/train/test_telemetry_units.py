@@ -1,4 +1,4 @@
-"""Telemetry pieces with values: config refusals, the straggler and throughput rules, the bubble
+"""Telemetry pieces with values: config refusals, the throughput rule, the bubble
 formula, the client's bounded telemetry queue, and losses bitwise unchanged by telemetry."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from nanotron_train.reporting.dashboard_client import DashboardClient
 from nanotron_train.telemetry.clock import offset_bounds, rebase, to_rank0_clock
 from nanotron_train.telemetry.events import ThroughputWatch
 from nanotron_train.telemetry.samples import MAX_SAMPLES_JSON_BYTES, fit_samples
-from nanotron_train.telemetry.stragglers import StragglerDetector
 from nanotron_train.telemetry.timeline import (
     bubble_formula,
     bubble_measured,
@@ -111,40 +110,6 @@ def test_samples_of_the_largest_allowed_size_fit_one_dashboard_message():
     # a short list is left as it is
     small = [{"prompt": "p", "completion": "c" * 100}]
     assert fit_samples(small) == small
-
-
-def _ranks(busy: list[float], stages: list[int] | None = None) -> list[dict]:
-    stages = stages or [0] * len(busy)
-    return [
-        {"rank": r, "pp": pp, "compute_ms": b * 0.8, "optimizer_ms": b * 0.15, "data_ms": b * 0.05}
-        for r, (b, pp) in enumerate(zip(busy, stages))
-    ]
-
-
-def test_straggler_needs_consecutive_slow_intervals_and_is_reported_once():
-    det = StragglerDetector(margin=0.2, intervals=3)
-    slow = _ranks([10, 10, 10, 13])  # rank 3: 1.3x the median
-    assert det.observe(slow) == [] and det.observe(slow) == []
-    assert det.observe(_ranks([10, 10, 10, 11])) == []  # 1.1x: recovered, count restarts
-    assert det.observe(slow) == [] and det.observe(slow) == []
-    (found,) = det.observe(slow)
-    assert found[0]["rank"] == 3 and found[1] == pytest.approx(1.3)
-    assert det.observe(slow) == []  # once per episode
-    assert StragglerDetector(0.2, 1).observe(_ranks([10])) == []  # one rank: no median
-
-
-def test_stragglers_are_compared_within_their_pipeline_stage():
-    det = StragglerDetector(margin=0.2, intervals=1)
-    # the last stage does more work (lm_head, loss): no straggler for that
-    assert det.observe(_ranks([10, 10, 15, 15], stages=[0, 0, 1, 1])) == []
-    (found,) = det.observe(_ranks([10, 10, 15, 25], stages=[0, 0, 1, 1]))
-    assert found[0]["rank"] == 3 and found[1] == pytest.approx(25 / 15)  # against its peer
-    # stages of one rank: the median of all other ranks
-    (found,) = StragglerDetector(0.2, 1).observe(_ranks([10, 10, 14], stages=[0, 1, 2]))
-    assert found[0]["rank"] == 2 and found[1] == pytest.approx(1.4)
-    # a stage of two ranks: one 1.8x the other is named (the two-rank median would say 1.29)
-    (found,) = StragglerDetector(0.5, 1).observe(_ranks([10, 18, 10, 10], stages=[0, 0, 1, 1]))
-    assert found[0]["rank"] == 1 and found[1] == pytest.approx(1.8)
 
 
 def test_throughput_drop_against_the_running_median():
