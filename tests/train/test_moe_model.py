@@ -167,3 +167,40 @@ def test_convert_qwen2_moe_folder_from_hf_and_back(tmp_path):
     theirs = hf.state_dict()
     assert sorted(again.state_dict()) == sorted(theirs)
     assert all(torch.equal(t, theirs[k]) for k, t in again.state_dict().items())
+
+
+def test_sigmoid_bias_router_resumes_exactly_with_its_biases(tmp_path):
+    """The expert biases are state the training loop moves: a checkpoint keeps them, so a run
+    resumed at step 2 ends bitwise as the run that never stopped (biases and losses)."""
+    from nanotron_models.moe import moe_blocks
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+
+    def run(resume: str | None) -> tuple[list[float], list[list[float]]]:
+        data = _example()
+        data["model"]["model_config"].update(SIZES, sliding_window_size=None)
+        moe = data["model"]["model_config"]["moe_config"]
+        moe.update(MOE_SIZES, router="sigmoid_bias", router_bias_update_rate=0.01)
+        data["model"]["dtype"] = "float32"
+        data["tokens"].update(sequence_length=16, micro_batch_size=2, train_steps=3)
+        data["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = 3
+        data["data_stages"][0]["data"]["dataset"] = None  # synthetic tokens
+        data["tokenizer"]["tokenizer_name_or_path"] = None
+        data["parallelism"].update(dp=1, tp=1)
+        out = tmp_path / ("again" if resume else "ckpt")
+        data["checkpoints"].update(checkpoints_path=str(out), checkpoint_interval=2)
+        data["checkpoints"]["resume_checkpoint_path"] = resume
+        cfg = config_from_dict(data, "q.yaml", world_size=1)
+        pc = ParallelContext(1, 1, 1)
+        try:
+            trainer, records = Trainer(cfg, pc, stream=io.StringIO()), []
+            trainer.train(on_record=records.append)
+            biases = [b.router.expert_bias.tolist() for _, b in moe_blocks(trainer.state.model)]
+        finally:
+            pc.destroy()
+        return [r["lm_loss"] for r in records], biases
+
+    whole_losses, whole_biases = run(None)
+    assert any(x != 0.0 for layer in whole_biases for x in layer)
+    resumed_losses, resumed_biases = run(str(tmp_path / "ckpt" / "2"))
+    assert resumed_losses == whole_losses[2:] and resumed_biases == whole_biases

@@ -14,6 +14,7 @@ from .stats import (
     MoEStats,
     begin_moe_step,
     moe_blocks,
+    moe_state_buffers,
     reset_moe_stats,
     update_expert_biases,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "moe_blocks",
     "moe_config_error",
     "moe_layers_of",
+    "moe_state_buffers",
     "reset_moe_stats",
     "update_expert_biases",
 ]

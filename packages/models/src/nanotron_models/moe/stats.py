@@ -64,6 +64,12 @@ def moe_blocks(model: nn.Module | Iterable[nn.Module]) -> list[tuple[int, nn.Mod
     return sorted(found.items())
 
 
+def moe_state_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint must keep for an exact resume (by global name): each
+    sigmoid_bias router's expert bias, state moved by the training loop, not by autograd."""
+    return [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+
+
 def reset_moe_stats(model) -> None:
     for _, block in moe_blocks(model):
         block.stats.reset()

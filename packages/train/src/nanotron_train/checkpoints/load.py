@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from nanotron_models.moe import moe_state_buffers
 from nanotron_parallel.sharding import is_expert_param
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.files import read_verified
@@ -195,6 +196,9 @@ def _load_model(src: CheckpointSource, model: torch.nn.Module, pc) -> None:
         shard = src.model_shard(canonical_name(name, p), target)
         if shard.data_ptr() != p.data_ptr() or shard.dtype != p.dtype:  # else read in place
             p.copy_(shard.to(p.dtype))
+    for name, b in moe_state_buffers(model):  # absent from a checkpoint of a softmax router
+        if src.model.get(name):
+            b.copy_(src.model_shard(name, ShardInfo.of(b, pc.tp_rank, pc.tp_size)))
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from nanotron_models.moe import moe_state_buffers
 from nanotron_parallel.sharding import gather_full, is_expert_param
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.checkpoints.files import (
@@ -83,6 +84,9 @@ def model_tensors(
         elif is_stored_copy(name, p):
             tensors[name] = p.detach()
             infos[name] = ShardInfo.of(p, pc.tp_rank, pc.tp_size).to_dict()
+    for name, b in moe_state_buffers(model):  # sigmoid_bias routers' biases (not trained)
+        tensors[name] = b.detach()
+        infos[name] = ShardInfo.of(b, pc.tp_rank, pc.tp_size).to_dict()
     return tensors, infos
 
 
