@@ -67,6 +67,7 @@ class Checkpointing:
         if pc.rank == 0:
             topo = meta["topology"]
             cp = f" cp={topo['cp']}" if topo.get("cp", 1) != 1 else ""
+            cp += f" ep={topo['ep']}" if topo.get("ep", 1) != 1 else ""
             print(
                 f"resumed from {folder} at step {meta['step']} (saved with dp={topo['dp']}{cp} "
                 f"tp={topo['tp']} pp={topo['pp']} zero_stage={topo['zero_stage']})",
