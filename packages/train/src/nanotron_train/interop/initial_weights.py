@@ -3,7 +3,8 @@ an existing checkpoint, ours or Nanotron's, with a fresh optimizer, LR schedule 
 position at step 0 (a resume, by contrast, continues all of them).
 
 Every rank reads the full tensors and keeps its own tp shard of the parameters of its
-pipeline stage, so the checkpoint's layout does not matter.
+pipeline stage (of a routed expert's stacked weights, its ep rank's experts), so the
+checkpoint's layout does not matter.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from nanotron_models.hf import shard_full_state_dict
+from nanotron_parallel.sharding import expert_shard
 from nanotron_train.checkpoints.errors import CheckpointError
 
 _GLOBAL = re.compile(r"(embedding\.weight|final_norm\.weight|lm_head\.weight|decoder\.\d+\..+)$")
@@ -57,6 +59,9 @@ def load_initial_weights(model: nn.Module, path: str, model_config, tp_rank: int
         if key not in full:
             raise CheckpointError(f"model.init_method.path {path}: it has no weights for {key}")
         shard = shard_full_state_dict({key: full[key]}, model_config, tp_rank, tp_size)[key]
+        experts = expert_shard(param)
+        if experts is not None and shard.shape[0] == experts.num_experts:  # this rank's experts
+            shard = shard.narrow(0, experts.first_local_expert, experts.num_local_experts)
         if shard.shape != param.shape:
             raise CheckpointError(
                 f"model.init_method.path {path}: {key} has shape {tuple(full[key].shape)}, "
