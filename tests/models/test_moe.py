@@ -256,3 +256,24 @@ def test_sigmoid_bias_router_steers_the_choice_not_the_weights_and_updates_again
     update_expert_biases([(0, b)], [None])
     expected = torch.tensor([10.0, 0.0, 0.0, 0.0]) + 0.01 * torch.sign(load.mean() - load)
     assert torch.equal(b.router.expert_bias, expected)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # transformers' init
+def test_a_model_without_shared_expert_exports_with_one_of_size_zero(pc1, tmp_path):
+    """Hugging Face's Qwen2-MoE always has a shared expert: ours without one is written with
+    one of width 0, and transformers computes the same logits from that folder."""
+    import transformers
+    from safetensors.torch import save_file
+
+    config = moe_qwen2(layers=(1,), enable_shared_expert=False)
+    ours = build_llama(config, pc1, seed=2)
+    hc = qwen2_moe_config_to_hf(config)
+    hc.architectures = ["Qwen2MoeForCausalLM"]
+    hc.save_pretrained(tmp_path)
+    hf_sd = our_full_state_dict_to_hf(full_state_dict(ours), config)
+    save_file(hf_sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert hf.config.shared_expert_intermediate_size == 0
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        assert rel_err(ours.logits(ids), hf.float().eval()(ids).logits) < 1e-5
