@@ -10,13 +10,9 @@ from torch.utils.checkpoint import checkpoint
 
 from nanotron_parallel.compile_boundary import prepare_compile
 from nanotron_parallel.sharding import (
-    ParamMeta,
     expert_shard,
     gather_full,
     get_param_meta,
-    mark_expert_param,
-    set_param_meta,
-    shard_tensor,
 )
 from nanotron_parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -30,13 +26,12 @@ from .attention import resolve_backend
 from .blocks import Batch, DecoderLayer, Embedding, LMHead, Loss, RMSNorm, linear_mode
 from .config import ATTN_BACKENDS, LlamaConfig, ModelConfigError
 from .flops import llama_block_names
-from .init import full_tensor, llama_init_spec
 from .kv_cache import KVCache
 from .masks import DOCUMENT_IDS_KEY, document_ids
+from .materialise import TIED_KEY as TIED_KEY  # the name tied parameters share
+from .materialise import materialise
 from .moe import MoEBlock, moe_layers_of
 from .rotary import RotaryTable
-
-TIED_KEY = "embedding.weight"
 
 
 class LlamaStage(nn.Module):
@@ -360,62 +355,13 @@ def build_llama_stage(
     stage = LlamaStage(
         config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype, dispatcher
     )
-    _materialise(stage, config, pc, seed, std, device, dtype, scaling_method)
+    materialise(stage, config, pc.tp_rank, pc.tp_size, seed, std, device, dtype, scaling_method)
     return stage
 
 
 def build_llama(config: LlamaConfig, pc, **kwargs) -> LlamaStage:
     """One stage holding every block (pp = 1)."""
     return build_llama_stage(config, pc, llama_block_names(config), **kwargs)
-
-
-def _owner(stage: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return stage.get_submodule(path) if path else stage, attr
-
-
-def _materialise(stage: LlamaStage, config, pc, seed, std, device, dtype, scaling_method) -> None:
-    tp, rank = pc.tp_size, pc.tp_rank
-    tied_here = (
-        config.tie_word_embeddings and hasattr(stage, "embedding") and hasattr(stage, "lm_head")
-    )
-    for name, _ in list(stage.named_parameters()):
-        if tied_here and name == "lm_head.weight":
-            continue
-        spec = llama_init_spec(config, name, std, tp, scaling_method)
-        full = full_tensor(spec, seed)
-        sections = list(spec.sections) if spec.sections else None
-        data = (
-            full
-            if spec.shard_dim is None
-            else shard_tensor(full, spec.shard_dim, rank, tp, sections)
-        )
-        module, attr = _owner(stage, name)
-        if spec.experts:  # this rank's experts of the full tensor: the same at any ep size
-            data = data.narrow(0, module.first_local_expert, module.num_local_experts)
-        param = nn.Parameter(data.to(device=device, dtype=dtype))
-        if spec.experts:
-            mark_expert_param(param, spec.full_shape[0], module.first_local_expert)
-        tied = config.tie_word_embeddings and name in ("embedding.weight", "lm_head.weight")
-        if spec.shard_dim is not None or tied:
-            set_param_meta(
-                param,
-                ParamMeta(
-                    full_shape=tuple(full.shape),
-                    shard_dim=spec.shard_dim,
-                    sections=spec.sections,
-                    tp_rank=rank,
-                    tp_size=tp,
-                    tied_key=TIED_KEY if tied else None,
-                ),
-            )
-        setattr(module, attr, param)
-    for name, buffer in list(stage.named_buffers()):  # the sigmoid router's bias: zeros
-        if buffer.is_meta:
-            module, attr = _owner(stage, name)
-            setattr(module, attr, torch.zeros(buffer.shape, device=device, dtype=buffer.dtype))
-    if tied_here:
-        stage.lm_head.weight = stage.embedding.weight
 
 
 def full_state_dict(stage: LlamaStage, grads: bool = False) -> dict[str, torch.Tensor]:
