@@ -67,16 +67,17 @@ def test_a_rank_slowed_2x_is_named_within_its_window_once_and_again_after_recove
 
 
 def test_on_a_loaded_machine_a_lasting_slowdown_is_named_and_only_it():
-    """With the machine's noise the bar is above the margin (2.0x is about at it): a 2.5x slower
-    rank is named in most runs, late at worst, and no other rank is."""
+    """With the machine's noise the bar is above the margin (2x is about at it): a rank slowed
+    2x is named once its window has stayed above the margin for LASTING intervals if not
+    before (10 of these 10 runs, after 5-26 intervals, median 13), and no other rank is."""
     delays = []
     for seed in range(10):
         m, det = _Machine(seed), StragglerDetector(MARGIN, K)
         _named(det, (m.interval() for _ in range(20)))
-        events = _named(det, (m.interval({3: 2.5}) for _ in range(30)))
+        events = _named(det, (m.interval({3: 2.0}) for _ in range(30)))
         assert {rank for _, rank, _ in events} <= {3}
         delays += [events[0][0]] if events else []
-    assert len(delays) >= 9 and statistics.median(delays) <= K + 2, delays
+    assert len(delays) >= 9 and statistics.median(delays) <= 2 * K + 2, delays
 
 
 def test_a_loaded_machines_bursts_are_read_against_its_noise():

@@ -20,9 +20,12 @@ the bar is the trimmed mean of its last `intervals` of those (the window less it
 lowest: one hiccup cannot move it, a rank slow in most of the window does). The bar is the
 margin, or NOISE_SIGMAS spreads of that mean when the noise is wider: the robust sigma of the
 stage's histories, weighed with a prior of a shared machine's (so the calm start of a run does
-not set the bar low before the machine's first burst). A rank is named when its window and its
-latest interval are both above, once per episode: it can be named again after its window fell
-below half the bar. On a GPU cluster the noise is far below the margin and the margin decides.
+not set the bar low before the machine's first burst). A rank is named when its window is above
+for RAISE_AFTER intervals in a row and its latest interval too, or, whatever the noise (a
+slowdown's first intervals widen it), when its window has stayed above the margin for LASTING
+intervals: the machine's bursts were shorter. Once per episode: it can be named again after its
+window fell below half the bar. On a GPU cluster the noise is far below the margin, which
+decides.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ MIN_HISTORY = 8  # intervals before a rank's own baseline is used
 NOISE_SIGMAS = 3.5  # the bar, in spreads of the window's trimmed mean
 PRIOR_SIGMA, PRIOR_INTERVALS = 0.3, 10  # a shared machine's log sigma (measured 0.25-0.45)
 RAISE_AFTER = 2  # intervals in a row with the window above the bar
+LASTING = 10  # intervals in a row with the window above the margin: slow whatever the noise
 
 
 def busy_ms(entry: dict) -> float:
@@ -69,6 +73,7 @@ class _Rank:
         self.window: deque[float] = deque(maxlen=window)
         self.named = False
         self.above = 0  # consecutive intervals with the window above the bar
+        self.over = 0  # consecutive intervals with the window above the margin
 
 
 class StragglerDetector:
@@ -156,8 +161,10 @@ class StragglerDetector:
             bar = self.bar(noise[r])
             full = len(state.window) == self.intervals
             state.above = state.above + 1 if full and windowed > bar else 0
+            state.over = state.over + 1 if full and windowed > ordinary else 0
             # the window says so (RAISE_AFTER times in a row), and this interval too
-            if state.above >= RAISE_AFTER and excess > ordinary and not state.named:
+            lasting = state.above >= RAISE_AFTER or state.over >= LASTING
+            if lasting and excess > ordinary and not state.named:
                 state.named = True
                 found.append((e, ratio[r]))
             elif state.named and windowed < 0.5 * bar:
