@@ -204,3 +204,58 @@ def test_sigmoid_bias_router_resumes_exactly_with_its_biases(tmp_path):
     assert any(x != 0.0 for layer in whole_biases for x in layer)
     resumed_losses, resumed_biases = run(str(tmp_path / "ckpt" / "2"))
     assert resumed_losses == whole_losses[2:] and resumed_biases == whole_biases
+
+
+def _zb_config(layout: dict) -> dict:
+    """The Nanotron MoE example at test sizes (fp32, synthetic tokens, 4 micro-batches, an aux
+    and a z-loss that weigh) on `layout`'s pipeline."""
+    data = _example()
+    data["model"]["model_config"].update(SIZES, sliding_window_size=None)
+    moe = data["model"]["model_config"]["moe_config"]
+    moe.update(MOE_SIZES, top_k=2, router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
+    data["model"]["dtype"] = "float32"
+    data["tokens"].update(sequence_length=16, micro_batch_size=1, train_steps=2)
+    data["tokens"]["batch_accumulation_per_replica"] = 4
+    data["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = 2
+    data["data_stages"][0]["data"]["dataset"] = None
+    data["tokenizer"]["tokenizer_name_or_path"] = None
+    data["checkpoints"].update(checkpoints_path=None, save_final_state=False)
+    par = data["parallelism"]
+    par.update(dp=1, tp=1, pp=layout.get("pp", 1), pp_engine=layout.get("engine", "1f1b"))
+    par["recompute_layer"] = layout.get("recompute", False)
+    return data
+
+
+def _zb_train(layouts: list[dict]) -> list[list[tuple]]:
+    """Each layout's (lm_loss, grad_norm, moe/aux_loss) per step (holding the default group)."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.testing import shared_default_group
+    from nanotron_train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    out = []
+    with shared_default_group():
+        for layout in layouts:
+            cfg = config_from_dict(_zb_config(layout), "moe.yaml", world_size=None)
+            pc = ParallelContext(pp=cfg.parallelism.pp)
+            try:
+                records: list[dict] = []
+                Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
+            finally:
+                pc.destroy()
+            out.append([(r["lm_loss"], r["grad_norm"], r["moe/aux_loss"]) for r in records])
+    return out
+
+
+def test_zero_bubble_split_trains_the_one_process_moe():
+    """pp=2 under zb-h1 (B and W apart: the experts' and router's weight gradients come in B,
+    the balance losses' through their scaler), recompute on: every step's lm_loss, grad_norm
+    and aux loss within 1e-5 of one process."""
+    from nanotron_parallel.testing import run_distributed
+
+    (ref,) = _zb_train([{}])
+    layouts = [{"pp": 2, "engine": "zb-h1", "recompute": True}]
+    for got in run_distributed(_zb_train, 2, layouts, timeout=300)[0]:
+        assert len(got) == len(ref) == 2
+        for a, b in zip(got, ref):
+            assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (a, b)
