@@ -104,7 +104,8 @@ def train_layouts(layouts: list[dict]) -> list[dict]:
 
 
 def _values(record: dict) -> dict:
-    return {k: record.get(k) for k in ("lm_loss", "grad_norm", "moe/aux_loss")}
+    keys = ("lm_loss", "grad_norm", "moe/aux_loss", "moe/load_imbalance", "moe_load")
+    return {k: record.get(k) for k in keys}
 
 
 def _host_reads(fn) -> dict[str, int]:
@@ -178,6 +179,9 @@ def _close(got: dict, ref: dict, what) -> None:
             if b is None:
                 assert a is None, (what, key)
                 continue
+            if isinstance(b, dict):  # tokens per expert per layer: counted exactly
+                assert a == b, (what, step, key, a, b)
+                continue
             assert abs(a - b) <= 1e-5 * abs(b), (what, step, key, a, b)
 
 
@@ -186,6 +190,9 @@ def test_expert_parallel_layouts_and_resume_equal_one_process(tmp_path) -> None:
     with shared_default_group():
         ref, skewed = train_layouts([{}, {"skewed": True}])
     assert ref[1]["moe/aux_loss"] is not None and math.isfinite(ref[1]["lm_loss"])
+    # tokens per expert of each MoE layer, compared exactly in every layout below
+    assert all(sum(c) > 0 for step in ref.values() for c in step["moe_load"].values()), ref
+    assert ref[1]["moe/load_imbalance"] >= 1.0
     layouts = [
         {"dp": 4, "ep": 2, "zero": 1, "skewed": True, "save": saved},
         {"dp": 2, "ep": 2, "tp": 2, "mode": "REDUCE_SCATTER"},
