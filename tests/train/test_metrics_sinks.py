@@ -372,3 +372,6 @@ def test_sizes_in_binary_units_in_step_lines_and_checkpoint_listings(memory, sho
     assert format_line(rec, 10).endswith(f" | memory: {shown}")
     entry = CheckpointEntry(step=4, path="x/4", size=memory, complete=True)
     assert f" {shown:>10}  complete" in to_table([entry])
+    topology = {"dp": 4, "cp": 1, "tp": 1, "pp": 1, "zero_stage": 1, "ep": 2}
+    entry = CheckpointEntry(step=4, path="x/4", size=memory, complete=True, topology=topology)
+    assert " 4,1,1,1,1,ep=2 " in to_table([entry])

@@ -89,6 +89,8 @@ def to_table(entries: list[CheckpointEntry]) -> str:
         t = {"cp": 1, **e.topology}  # cp: 1 before context parallelism was recorded
         keys = ("dp", "cp", "tp", "pp", "zero_stage")
         topo = ",".join(str(t.get(k, "?")) for k in keys) if e.topology else "-"
+        if t.get("ep", 1) != 1:  # expert parallel, inside dp: named only where used
+            topo += f",ep={t['ep']}"
         status = "complete" if e.complete else f"INCOMPLETE: {e.problem}"
         if e.latest:
             status += " (latest)"
