@@ -1,6 +1,6 @@
 """End to end, the straggler view: a real 4-process run (dp=2 x pp=2, gloo) streams to a real
-dashboard while the test slows one worker from outside (SIGSTOP/SIGCONT in a loop, rank 3:
-dp=1 tp=0 pp=1); then real Chromium on the run page. What the trainer measured must be what
+dashboard while the test slows one worker from outside (SIGSTOP/SIGCONT in a loop, 60 ms of
+every 70, as in tests/train/test_telemetry.py; rank 3: dp=1 tp=0 pp=1); then real Chromium on the run page. What the trainer measured must be what
 the dashboard stored (REST) and what the page draws: the slowed rank's heatmap row framed and
 hotter than its stage peer, every cell in the colour of its value, the event naming the rank
 with its coordinates and host, and the Gantt chart's bars where the recorded timeline puts
@@ -21,7 +21,7 @@ from tests.train.telemetry_helpers import Torchrun4, telemetry_config
 pytestmark = pytest.mark.browser
 
 LAYOUT = {"dp": 2, "tp": 1, "pp": 2}
-STEPS, INTERVAL, TIMELINE_EVERY, M = 40, 2, 10, 2
+STEPS, INTERVAL, TIMELINE_EVERY, M = 30, 2, 10, 2
 MARGIN, SLOW_INTERVALS = 0.5, 6  # the detector's defaults; the slowed rank is 2.5-5x its peer
 SLOW_RANK, PEER = 3, 2  # ranks are pp-major: 3 is dp=1 pp=1; 2 (dp=0 pp=1) does the same work
 PROJECT, NAME = "e2e", "straggler"
@@ -63,7 +63,7 @@ def trained(live_dashboard, tmp_path_factory):
     cfg.write_text(cfg.read_text().replace("project: test", f"project: {PROJECT}"))
     cfg.write_text(cfg.read_text().replace("run: ckpt", f"run: {NAME}"))
     run = Torchrun4(cfg, d.url)
-    status = run.wait_with_a_slowed_rank(SLOW_RANK)
+    status = run.wait_with_a_slowed_rank(SLOW_RANK, 0.06, 0.01, after=tmp / "run.jsonl")
     out = run.output()
     assert status == 0, out[-4000:]
     runs = [r for r in d.get("/api/runs") if r["project"] == PROJECT and r["name"] == NAME]

@@ -119,18 +119,26 @@ class Torchrun4:
             time.sleep(0.05)
         return found
 
-    def wait_with_a_slowed_rank(self, rank: int) -> int:
-        """Stop `rank`'s worker 40 ms of every 60 (from outside: it works at a third of its
-        speed) until the run ends; the exit status."""
+    def wait_with_a_slowed_rank(
+        self, rank: int, stop_s: float = 0.04, run_s: float = 0.02, after: Path | None = None
+    ) -> int:
+        """Stop `rank`'s worker `stop_s` of every `stop_s + run_s` (from outside: by default it
+        works at a third of its speed), from when the file `after` has something in it (e.g.
+        the metrics file: the first step is done; a slowed start-up only makes a test longer)
+        until the run ends; the exit status."""
         workers = self.wait_workers()
         done = threading.Event()
 
         def slow_down() -> None:
+            while after is not None and not done.is_set():
+                if after.exists() and after.stat().st_size > 0:
+                    break
+                time.sleep(0.02)
             while not done.is_set():
                 kill(workers[rank], signal.SIGSTOP)
-                time.sleep(0.04)
+                time.sleep(stop_s)
                 kill(workers[rank], signal.SIGCONT)
-                time.sleep(0.02)
+                time.sleep(run_s)
 
         threading.Thread(target=slow_down, daemon=True).start()
         try:
