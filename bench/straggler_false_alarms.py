@@ -5,8 +5,8 @@ undisturbed (false alarms), and with rank 3 slowed from outside (named? how soon
         [--slow-by sigstop|cgroup] [--steps 150] [--interval 5] [--hidden 128]
         [--save series.jsonl] [--replay series.jsonl ...]
 
-Each run is a small Llama (4 layers of `--hidden`, sequences of 64 tokens; 35-150 ms of work
-per rank per step on the 2-core development machine, 0.2-0.7 s per interval of 5 steps: the
+Each run is a small Llama (4 layers of `--hidden`, sequences of 64 tokens; 30-150 ms of work
+per rank per step on the 2-core development machine, 0.15-0.75 s per interval of 5 steps: the
 tests' tiny model gave 4-25 ms, shorter than a scheduler's slice) streaming to an in-process
 fake ingest (the dashboard's message model); the events are what the trainer's rank 0 sent.
 Nothing disturbs the undisturbed workers but the machine itself: 4 processes on 2 cores with
