@@ -21,7 +21,7 @@ from tests.train.telemetry_helpers import Torchrun4, telemetry_config
 pytestmark = pytest.mark.browser
 
 LAYOUT = {"dp": 2, "tp": 1, "pp": 2}
-STEPS, INTERVAL, TIMELINE_EVERY, M = 30, 2, 10, 2
+STEPS, INTERVAL, TIMELINE_EVERY, M = 40, 2, 10, 2
 MARGIN, SLOW_INTERVALS = 0.5, 6  # the detector's defaults; the slowed rank is 2.5-5x its peer
 SLOW_RANK, PEER = 3, 2  # ranks are pp-major: 3 is dp=1 pp=1; 2 (dp=0 pp=1) does the same work
 PROJECT, NAME = "e2e", "straggler"

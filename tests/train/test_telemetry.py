@@ -16,7 +16,7 @@ from tests.train.fault_helpers import records
 from tests.train.telemetry_helpers import FakeIngest, Torchrun4, telemetry_config
 
 LAYOUT = {"dp": 2, "tp": 1, "pp": 2}
-STEPS, INTERVAL, TIMELINE_EVERY, M = 30, 2, 10, 2
+STEPS, INTERVAL, TIMELINE_EVERY, M = 40, 2, 10, 2
 SLOW_RANK = 3  # ranks are pp-major, tp fastest: rank 3 is dp=1, tp=0, pp=1
 
 
