@@ -189,7 +189,7 @@ class LoggingArgs:
     # Telemetry of a parallel run (telemetry/; checked in config/telemetry.py).
     rank_stats_interval: int = 10  # per-rank step-time split and memory; 0 = off
     straggler_margin: float = 0.5  # non-waiting time above the median by this fraction ...
-    straggler_intervals: int = 6  # ... for this many intervals (less 2 per normal one): a straggler
+    straggler_intervals: int = 6  # ... over a window of this many intervals, read against the noise
     pipeline_timeline_interval: int = 0  # one step's forward/backward spans; 0 = off
     throughput_drop_fraction: float = 0.5  # tokens/s below this share of its median: event
     sample_prompts: list[str] = field(default_factory=list)  # greedy samples at checkpoints
