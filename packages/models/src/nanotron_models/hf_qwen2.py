@@ -128,16 +128,12 @@ def _hf_rope(config: Qwen2Config) -> dict[str, Any]:
     return params
 
 
-def qwen2_config_to_hf(config: Qwen2Config) -> Any:
-    """A transformers Qwen2Config (attention_bias) or SmolLM3Config (no bias) of the same model."""
-    transformers = import_transformers()
-    c = config
-    layers = c.num_hidden_layers
-    window = c.sliding_window_size
-    common = dict(
+def hf_decoder_kwargs(c: Qwen2Config) -> dict[str, Any]:
+    """The transformers config fields every Qwen2-like class shares (sizes, rope, norms, ids)."""
+    return dict(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
-        num_hidden_layers=layers,
+        num_hidden_layers=c.num_hidden_layers,
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads,
         vocab_size=c.vocab_size,
@@ -150,6 +146,17 @@ def qwen2_config_to_hf(config: Qwen2Config) -> Any:
         bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id,
         pad_token_id=c.pad_token_id,
+    )
+
+
+def qwen2_config_to_hf(config: Qwen2Config) -> Any:
+    """A transformers Qwen2Config (attention_bias) or SmolLM3Config (no bias) of the same model."""
+    transformers = import_transformers()
+    c = config
+    layers = c.num_hidden_layers
+    window = c.sliding_window_size
+    common = dict(
+        **hf_decoder_kwargs(c),
         use_sliding_window=window is not None,
         sliding_window=window,
         layer_types=[

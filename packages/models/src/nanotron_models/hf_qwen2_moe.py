@@ -22,7 +22,7 @@ from typing import Any
 
 from .config import ModelConfigError
 from .hf import import_transformers
-from .hf_qwen2 import _getter, _hf_rope, _rope, _window
+from .hf_qwen2 import _getter, _rope, _window, hf_decoder_kwargs
 from .moe.config import MoEConfig
 from .qwen2 import Qwen2Config
 
@@ -90,21 +90,7 @@ def qwen2_moe_config_to_hf(config: Qwen2Config) -> Any:
     moe = set(m.moe_layers(layers))
     window = c.sliding_window_size
     return transformers.Qwen2MoeConfig(
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_parameters=_hf_rope(c),
-        tie_word_embeddings=c.tie_word_embeddings,
-        hidden_act=c.hidden_act,
-        initializer_range=c.initializer_range,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
-        pad_token_id=c.pad_token_id,
+        **hf_decoder_kwargs(c),
         qkv_bias=c.attention_bias,
         use_sliding_window=window is not None,
         sliding_window=window,
