@@ -18,11 +18,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from nanotron_parallel.compile_boundary import eager_under_compile
-from nanotron_parallel.expert_parallel.dispatch import Dispatched, expert_counts
+from nanotron_parallel.expert_parallel.dispatch import Dispatched, GroupExperts, expert_counts
 from nanotron_parallel.expert_parallel.functional import (
     all_gather_rows,
     gather_ids,
@@ -36,14 +35,8 @@ class _State(NamedTuple):
     weight: Tensor  # topk_weight [T, k] of this rank's tokens
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(GroupExperts):
     """Every rank sees the ep group's tokens and computes its own experts' rows."""
-
-    def __init__(self, num_experts: int, group: dist.ProcessGroup):
-        self.group, self.ep_size = group, dist.get_world_size(group)
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.ep_size
-        self.first_local_expert = dist.get_rank(group) * self.num_local_experts
 
     @eager_under_compile  # uneven sizes and collectives: a graph break, not a recompile each
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Dispatched:

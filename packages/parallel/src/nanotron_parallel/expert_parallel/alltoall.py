@@ -21,12 +21,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from nanotron_parallel.compile_boundary import eager_under_compile
 from nanotron_parallel.expert_parallel.dispatch import (
     Dispatched,
+    GroupExperts,
     expert_counts,
     sort_by_expert,
     weighted_unsort,
@@ -48,14 +48,8 @@ def inverse_permutation(order: Tensor) -> Tensor:
     return inverse
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(GroupExperts):
     """Rows to their experts' ranks and back by uneven all-to-alls over `group`."""
-
-    def __init__(self, num_experts: int, group: dist.ProcessGroup):
-        self.group, self.ep_size = group, dist.get_world_size(group)
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.ep_size
-        self.first_local_expert = dist.get_rank(group) * self.num_local_experts
 
     @eager_under_compile  # uneven sizes and collectives: a graph break, not a recompile each
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Dispatched:

@@ -85,3 +85,14 @@ class LocalDispatcher:
     def combine(self, y: Tensor, state: Any) -> Tensor:
         order, topk_weight = state
         return weighted_unsort(y, order, topk_weight)
+
+
+class GroupExperts:
+    """The experts a rank of an expert-parallel group owns: rank r of the ep ranks holds the
+    contiguous experts [r * E / ep, (r + 1) * E / ep) (checkpoints store them by global index)."""
+
+    def __init__(self, num_experts: int, group: torch.distributed.ProcessGroup):
+        self.group, self.ep_size = group, torch.distributed.get_world_size(group)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_local_expert = torch.distributed.get_rank(group) * self.num_local_experts
