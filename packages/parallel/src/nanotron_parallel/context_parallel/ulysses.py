@@ -19,6 +19,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanotron_parallel.conjugate import conjugate
+
 from .kernels import Kernel
 from .layout import to_rank_order, to_sequence_order
 
@@ -49,26 +51,8 @@ def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return got.movedim(0, 2).reshape(s // cp, b, cp * m, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return heads_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad, ctx.group), None
+_seq_to_heads = conjugate(seq_to_heads, heads_to_seq)
+_heads_to_seq = conjugate(heads_to_seq, seq_to_heads)
 
 
 def ulysses_attention(q, k, v, group, kernel: Kernel) -> torch.Tensor:
@@ -82,8 +66,8 @@ def ulysses_attention(q, k, v, group, kernel: Kernel) -> torch.Tensor:
     kv = torch.cat((k, v), dim=2)
     # One all-to-all for k and v: the k heads and v heads are each split over cp.
     kv = kv.view(*kv.shape[:2], 2, cp, -1, kv.shape[-1]).transpose(2, 3).flatten(2, 4)
-    kv_h = _SeqToHeads.apply(kv, group)  # [S, b, cp-th of (k, v) heads, d]
+    kv_h = _seq_to_heads(kv, group)  # [S, b, cp-th of (k, v) heads, d]
     k_h, v_h = kv_h.view(*kv_h.shape[:2], 2, -1, kv_h.shape[-1]).unbind(2)
-    q_h = _SeqToHeads.apply(q, group)
+    q_h = _seq_to_heads(q, group)
     index = torch.arange(q_h.shape[0], device=q.device)
-    return _HeadsToSeq.apply(kernel(q_h, k_h, v_h, index, index), group)
+    return _heads_to_seq(kernel(q_h, k_h, v_h, index, index), group)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from nanotron_parallel.conjugate import conjugate
 from nanotron_parallel.phase_timer import comm_span
 
 Group = dist.ProcessGroup | None
@@ -69,26 +70,8 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-class _AllGatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter(grad, ctx.group), None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
+_all_gather_rows = conjugate(_gather, _scatter)
+_reduce_scatter_rows = conjugate(_scatter, _gather)
 
 
 def all_to_all(
@@ -98,11 +81,11 @@ def all_to_all(
 
 
 def all_gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _AllGatherRows.apply(x, group)
+    return _all_gather_rows(x, group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _ReduceScatterRows.apply(x, group)
+    return _reduce_scatter_rows(x, group)
 
 
 HOST_READ = "ep.host_read"
