@@ -16,6 +16,7 @@ spelled out so the windows land on the layers they are on here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .config import ModelConfigError
@@ -76,25 +77,16 @@ def _window(get, config: Qwen2Config) -> int | None:
     return window
 
 
-def qwen2_config_from_hf(hf_config: Any) -> Qwen2Config:
-    """Our Qwen2Config from a transformers Qwen2Config or SmolLM3Config (object or dict)."""
-    get = _getter(hf_config)
-    kind = get("model_type")
-    if kind not in ("qwen2", "smollm3"):
-        raise ModelConfigError(f"model_type {kind!r} is not qwen2 or smollm3")
+def decoder_fields_from_hf(get: Callable[..., Any]) -> dict[str, Any]:
+    """Our Qwen2Config fields every Qwen2-like transformers config holds alike (sizes, norms,
+    ids, rope); the inverse of `hf_decoder_kwargs`."""
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     if get("head_dim") not in (None, hidden // heads):
         raise ModelConfigError("head_dim != hidden_size/num_attention_heads is not supported")
-    if get("mlp_bias"):
-        raise ModelConfigError("mlp_bias=True is not supported")
-    if kind == "smollm3" and get("attention_bias"):
-        raise ModelConfigError(
-            "SmolLM3 attention_bias=True puts a bias on o_proj, which Qwen2 here has not"
-        )
     eos = get("eos_token_id")
     if isinstance(eos, (list, tuple)):
         eos = eos[0] if eos else None
-    config = Qwen2Config(
+    return dict(
         hidden_size=hidden,
         intermediate_size=get("intermediate_size"),
         num_hidden_layers=get("num_hidden_layers"),
@@ -109,9 +101,23 @@ def qwen2_config_from_hf(hf_config: Any) -> Qwen2Config:
         bos_token_id=get("bos_token_id"),
         eos_token_id=eos,
         pad_token_id=get("pad_token_id"),
-        attention_bias=kind == "qwen2",
         **_rope(get),
     )
+
+
+def qwen2_config_from_hf(hf_config: Any) -> Qwen2Config:
+    """Our Qwen2Config from a transformers Qwen2Config or SmolLM3Config (object or dict)."""
+    get = _getter(hf_config)
+    kind = get("model_type")
+    if kind not in ("qwen2", "smollm3"):
+        raise ModelConfigError(f"model_type {kind!r} is not qwen2 or smollm3")
+    if get("mlp_bias"):
+        raise ModelConfigError("mlp_bias=True is not supported")
+    if kind == "smollm3" and get("attention_bias"):
+        raise ModelConfigError(
+            "SmolLM3 attention_bias=True puts a bias on o_proj, which Qwen2 here has not"
+        )
+    config = Qwen2Config(**decoder_fields_from_hf(get), attention_bias=kind == "qwen2")
     if kind == "smollm3":
         config.no_rope_layer = _no_rope_layer(get("no_rope_layers"), config.num_hidden_layers)
     _window(get, config)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .config import ModelConfigError
 from .hf import import_transformers
-from .hf_qwen2 import _getter, _rope, _window, hf_decoder_kwargs
+from .hf_qwen2 import _getter, _window, decoder_fields_from_hf, hf_decoder_kwargs
 from .moe.config import MoEConfig
 from .qwen2 import Qwen2Config
 
@@ -37,27 +37,8 @@ def qwen2_moe_config_from_hf(hf_config: Any) -> Qwen2Config:
     if not sparse or not get("num_experts"):
         raise ModelConfigError("qwen2_moe config has no sparse layer: convert it as qwen2")
     shared = get("shared_expert_intermediate_size") or 0
-    eos = get("eos_token_id")
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
-    if get("head_dim") not in (None, hidden // heads):
-        raise ModelConfigError("head_dim != hidden_size/num_attention_heads is not supported")
     config = Qwen2Config(
-        hidden_size=hidden,
-        intermediate_size=get("intermediate_size"),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=get("num_key_value_heads"),
-        vocab_size=get("vocab_size"),
-        max_position_embeddings=get("max_position_embeddings"),
-        rms_norm_eps=get("rms_norm_eps"),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        hidden_act=get("hidden_act", "silu"),
-        initializer_range=get("initializer_range", 0.02),
-        bos_token_id=get("bos_token_id"),
-        eos_token_id=eos,
-        pad_token_id=get("pad_token_id"),
+        **decoder_fields_from_hf(get),
         attention_bias=bool(get("qkv_bias", True)),
         moe_config=MoEConfig(
             num_experts=get("num_experts"),
@@ -69,7 +50,6 @@ def qwen2_moe_config_from_hf(hf_config: Any) -> Qwen2Config:
             norm_topk_prob=bool(get("norm_topk_prob", False)),
             layers=[-1] if len(sparse) == layers else sparse,
         ),
-        **_rope(get),
     )
     _window(get, config)
     return config
