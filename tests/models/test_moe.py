@@ -166,7 +166,7 @@ def test_recompute_counts_a_micro_batch_once_and_gives_the_same_gradients(pc1):
     for recompute in (False, True):
         model = build_llama(config, pc1, seed=3)
         model.set_recompute(recompute)
-        begin_moe_step(model, 2)
+        begin_moe_step(moe_blocks(model), 2)
         for _ in range(2):  # two micro-batches of one step
             model(None, batch).backward()
         runs.append(model)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron_models.blocks import Loss
-from nanotron_models.moe import moe_blocks, update_expert_biases
+from nanotron_models.moe import begin_moe_step, moe_blocks, update_expert_biases
 from nanotron_parallel.clip import clip_grads, default_counts_in_norm, global_grad_norm
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.context_parallel import split_batch
@@ -177,10 +177,9 @@ class Trainer:
                 for mb in micro_batches
             ]
         self.grads.zero_grad()
-        if self.moe is not None:
-            self.moe.reset()  # expert loads and aux losses of this step's micro-batches only
-        for _, block in self.moe_blocks:  # balance losses weigh as each micro-batch's lm loss
-            block.aux_scale = 1.0 / len(micro_batches)
+        # expert loads and balance losses of this step's micro-batches only, weighed as each
+        # micro-batch's lm loss
+        begin_moe_step(self.moe_blocks, len(micro_batches))
         recorder = tm.timeline_recorder(step)  # the pipeline timeline's step, else a no-op
         with tm.span("pipeline"):
             result = run_pipeline_step(

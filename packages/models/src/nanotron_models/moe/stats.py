@@ -75,24 +75,24 @@ def reset_moe_stats(model) -> None:
         block.stats.reset()
 
 
-def begin_moe_step(model, num_micro_batches: int) -> None:
-    """Before a step's micro-batches: statistics zeroed, and the balance losses' gradient
-    scaled as the schedules scale each micro-batch's lm loss (1 / micro-batches)."""
-    for _, block in moe_blocks(model):
+def begin_moe_step(blocks: list[tuple[int, nn.Module]], num_micro_batches: int) -> None:
+    """Before a step's micro-batches (`blocks`: `moe_blocks`' list, found once): statistics
+    zeroed, and the balance losses' gradient scaled as the schedules scale each micro-batch's
+    lm loss (1 / micro-batches)."""
+    for _, block in blocks:
         block.stats.reset()
         block.aux_scale = 1.0 / num_micro_batches
 
 
 @torch.no_grad()
-def update_expert_biases(model, groups: Iterable) -> None:
+def update_expert_biases(blocks: list[tuple[int, nn.Module]], groups: Iterable) -> None:
     """After the optimizer step: every sigmoid_bias router's bias moves against the step's
     load, summed over `groups` (the ranks that saw other tokens: dp x cp, and tp under
     sequence parallel) so every replica applies the same update. One all-reduce for all the
-    layers of the stage. `model`: a stage, its chunks, or `moe_blocks`' list."""
-    blocks = model if isinstance(model, list) and model and isinstance(model[0], tuple) else None
+    layers of the stage. `blocks`: `moe_blocks`' list."""
     routers = [
         (b.router, b.stats.load)
-        for _, b in (blocks or moe_blocks(model))
+        for _, b in blocks
         if b.router.kind == "sigmoid_bias" and b.stats.load is not None
     ]
     if not routers:

@@ -53,11 +53,6 @@ class MoEMetrics:
         cp_rank = getattr(pc, "cp_rank", 0)
         self.weight_loss = 1.0 if pc.tp_rank == 0 and cp_rank == 0 else 0.0
 
-    def reset(self) -> None:
-        """At the start of every step (the blocks found once): its micro-batches only."""
-        for _, block in self.blocks:
-            block.stats.reset()
-
     def _packed(self) -> torch.Tensor:
         """This rank's weighted contribution, on the device (no host read)."""
         packed = torch.zeros(self.shape, dtype=torch.float64, device=self.pc.device)
