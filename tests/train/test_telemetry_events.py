@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import time
 
 import pytest
@@ -70,10 +71,14 @@ def test_throughput_drop_and_preemption_are_events(tmp_path, ingest):
     try:
         workers = run.wait_workers()
         wait_step(metrics, 12, run)
-        before = max(r["step"] for r in records(metrics))
-        # rank 1 paused: rank 0 waits for it in its next tp collective, inside a timed step
+        recent = records(metrics)[-10:]
+        before = max(r["step"] for r in recent)
+        # rank 1 paused: rank 0 waits for it in its next tp collective, inside a timed step.
+        # The pause is sized from the steps just measured: even split across two steps, each
+        # is 20x its median, so a loaded machine's slower steps cannot hide the drop.
+        step_s = statistics.median(r["time_per_iteration_ms"] for r in recent) / 1000
         kill(workers[1], signal.SIGSTOP)
-        time.sleep(1.5)
+        time.sleep(min(max(1.5, 40 * step_s), 60.0))
         kill(workers[1], signal.SIGCONT)
         wait_step(metrics, before + 6, run)
         kill(workers[0], signal.SIGTERM)
