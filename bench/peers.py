@@ -103,7 +103,8 @@ def profile(args) -> int:
         inner = build(nproc, dp, tp, args.warmup + args.steps + 1, work)
         cmd = [str(python), "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", str(ROOT / "bench/step_profile.py"), "--fw", fw,
-               "--warmup", str(args.warmup), "--ops", str(args.ops), "--", *inner]  # fmt: skip
+               "--warmup", str(args.warmup), "--ops", str(args.ops),
+               *(["--shapes"] if args.shapes else []), "--", *inner]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc), "HF_HUB_OFFLINE": "1",
                "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(work / "hf")}  # fmt: skip
         out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
@@ -124,6 +125,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps of a profile")
     ap.add_argument("--ops", type=int, default=0, help="torch.profiler's top N ops too")
+    ap.add_argument("--shapes", action="store_true", help="--ops: a row per op and shapes")
     ap.add_argument("--work", default="/tmp/peer-profile", help="the profiles' folders")
     args = ap.parse_args()
     if args.profile:

@@ -67,8 +67,8 @@ def now() -> tuple[float, float]:
 
 
 class Clock:
-    def __init__(self, warmup: int, ops: int) -> None:
-        self.warmup, self.ops = warmup, ops
+    def __init__(self, warmup: int, ops: int, shapes: bool = False) -> None:
+        self.warmup, self.ops, self.shapes = warmup, ops, shapes
         self.steps: list[dict[str, list[float]]] = []  # per step: phase -> [wall s, cpu s]
         self.step_start: tuple[float, float] | None = None
         self.active: str | None = None  # the outermost phase running now
@@ -86,7 +86,9 @@ class Clock:
         if self.ops and len(self.steps) == self.warmup and self.prof is None:
             import torch.profiler
 
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=self.shapes
+            )
             self.prof.__enter__()
         self.steps.append({})
         self.step_start = now()
@@ -155,12 +157,13 @@ def main() -> None:
     ap.add_argument("--fw", choices=sorted(PHASES), required=True)
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     ap.add_argument("--ops", type=int, default=0, help="print torch.profiler's top N ops")
+    ap.add_argument("--shapes", action="store_true", help="--ops: one row per op and shapes")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- -m MODULE ARGS | SCRIPT ARGS")
     args = ap.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if args.fw == "pico":  # picotron imports its package from the script's folder
         sys.path.insert(0, os.path.dirname(os.path.abspath(cmd[0])))
-    clock = Clock(args.warmup, args.ops)
+    clock = Clock(args.warmup, args.ops, args.shapes)
     phases = install(clock, args.fw)  # before the script imports the names it calls
     # nanotron_train leaves through os._exit after running the atexit functions
     atexit.register(functools.partial(print_report, clock, args, phases))
@@ -185,7 +188,9 @@ def print_report(clock: Clock, args, phases: list[str]) -> None:
     print(f"\n== step phases ({args.fw}, world {os.environ.get('WORLD_SIZE', '1')}) ==")
     print(clock.report(phases))
     if clock.prof is not None:
-        print(clock.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+        table = clock.prof.key_averages(group_by_input_shape=args.shapes)
+        print(table.table(sort_by="self_cpu_time_total", row_limit=args.ops,
+                          max_name_column_width=40, max_shapes_column_width=70))  # fmt: skip
     sys.stdout.flush()
 
 
