@@ -9,7 +9,8 @@ rank gets the same norm.
 Everything stays on the device: the norm is a 0-d tensor and clipping multiplies by
 `min(1, max_norm / (norm + 1e-6))` computed there, so a step needs no host sync for either;
 the trainer reads the norm on the host only on the steps it logs. The norm reads each
-gradient once (one `_foreach_norm` over merged flat views, their squares summed in fp64).
+gradient once (one `_foreach_norm` over merged flat views, their squares summed in fp64; on the
+CPU the views are 2-D, a norm per 16k-element row, see `DataParallelGrads.grad_norm_views`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,21 @@ def default_counts_in_norm(tp_rank: int, is_first_stage: bool) -> Callable[[nn.P
     return counts
 
 
+def _norms(views: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each 1-D view and of each row of each 2-D view, in order (fp32)."""
+    if all(v.dim() == 1 for v in views):
+        return torch.stack(torch._foreach_norm(views))
+    return torch.cat([torch.linalg.vector_norm(v, dim=-1).reshape(-1) for v in views])
+
+
 @torch.no_grad()
 def global_grad_norm(
     views: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device
 ) -> torch.Tensor:
-    """L2 norm (0-d float64 tensor on `device`) of the gradient `views` of every rank of `group`."""
+    """L2 norm (0-d float64 tensor on `device`) of the gradient `views` of every rank of `group`
+    (a 2-D view counts each of its rows)."""
     if views:
-        squares = torch.stack(torch._foreach_norm(views)).double().square().sum()
+        squares = _norms(views).double().square().sum()
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)
     # telemetry: a rank that arrives first waits here for the slowest; that wait is not the

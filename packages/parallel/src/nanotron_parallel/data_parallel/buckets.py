@@ -3,7 +3,8 @@
 Each parameter gets `param.main_grad`, a view into a flat per-bucket buffer (fp32 when
 accumulating in fp32, else the parameter's dtype). A post-accumulate-grad hook adds `param.grad`
 into it, already divided by dp, and frees `param.grad`, so micro-batches accumulate locally and
-nothing is communicated until the last micro-batch. `arm()` (the pipeline's `on_last_backward`)
+nothing is communicated until the last micro-batch. The step's first gradient of a parameter is
+written rather than added, so the buffers need no clearing pass between steps. `arm()` (the pipeline's `on_last_backward`)
 makes the hooks count arrivals: when every gradient of a bucket has arrived in the last
 backward, that bucket's asynchronous all-reduce (or, for ZeRO, reduce-scatter: see zero.py)
 starts while the backward goes on. `finish()` launches whatever is left and waits; the sum of
@@ -28,7 +29,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-_NORM_PIECE = 1 << 14  # elements per norm view on the CPU (see grad_norm_views)
+_NORM_PIECE = 1 << 14  # elements per norm row on the CPU (see grad_norm_views)
+
+
+def _norm_rows(view: torch.Tensor) -> list[torch.Tensor]:
+    """A flat view as [k, _NORM_PIECE] rows, and its shorter tail as a 1-D view."""
+    k = view.numel() // _NORM_PIECE
+    rows = [view[: k * _NORM_PIECE].view(k, _NORM_PIECE)] if k else []
+    return rows + ([view[k * _NORM_PIECE :]] if view.numel() > k * _NORM_PIECE else [])
 
 
 @dataclass
@@ -107,6 +115,7 @@ class DataParallelGrads:
         # pre-divided in the hook: the reduction sums means
         self._grad_scale = 1.0 / dp_size if grad_scale is None else grad_scale
         self._norm_views: list[torch.Tensor] | None = None
+        self._written: set[int] = set()  # parameters whose buffer holds this step's gradient
         self.armed = False
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -162,10 +171,7 @@ class DataParallelGrads:
         return 1
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if self._grad_scale == 1.0:
-            param.main_grad.add_(param.grad)
-        else:
-            param.main_grad.add_(param.grad, alpha=self._grad_scale)
+        self._accumulate(param.main_grad, param.grad, id(param))
         param.grad = None
         if not self.armed:
             return
@@ -176,6 +182,33 @@ class DataParallelGrads:
         if len(bucket.seen) == len(bucket.params):
             self._launch(bucket)
 
+    def _accumulate(self, main: torch.Tensor, grad: torch.Tensor, key: int) -> None:
+        """Add a micro-batch's gradient, pre-scaled, into the buffer. The step's first one of
+        a parameter is written instead of added to zeros (bitwise the same values): the
+        buffers are not cleared between steps, which saves a pass over every gradient;
+        `_launch` clears what no gradient reached."""
+        scale = self._grad_scale
+        if key in self._written:
+            if scale == 1.0:
+                main.add_(grad)
+            else:
+                main.add_(grad, alpha=scale)
+            return
+        self._written.add(key)
+        if scale == 1.0:
+            main.copy_(grad)
+        elif grad.dtype == main.dtype:
+            torch.mul(grad, scale, out=main)
+        else:  # a low-precision gradient into fp32: scaled in fp32, as the add would
+            main.copy_(grad).mul_(scale)
+
+    def _clear_unwritten(self, bucket: Bucket) -> None:
+        """Zero what no gradient reached this step (a parameter no micro-batch used)."""
+        if bucket.resident:
+            for p in bucket.params:
+                if id(p) not in self._written:
+                    p.main_grad.zero_()
+
     def arm(self) -> None:
         """Called before the step's last backward: buckets reduce as soon as they are complete."""
         self.armed = True
@@ -184,6 +217,7 @@ class DataParallelGrads:
         if bucket.launched:
             return
         bucket.launched = True
+        self._clear_unwritten(bucket)
         if self.dp_size == 1:
             return
         with record_function("dp.reduce_launch"):
@@ -209,9 +243,9 @@ class DataParallelGrads:
         self.armed = False
 
     def zero_grad(self) -> None:
-        """Start a new step: empty buffers, disarmed hooks."""
+        """Start a new step: buffers to be overwritten (`_accumulate`), disarmed hooks."""
+        self._written.clear()
         for bucket in self.buckets:
-            bucket.grad.zero_()
             bucket.seen.clear()
             bucket.launched = False
             bucket.handle = None
@@ -223,10 +257,12 @@ class DataParallelGrads:
         """The flat range of `bucket` this rank steps (zero_stage 0: all of it)."""
         return 0, bucket.grad.numel()
 
-    def counts_in_norm_over_dp(self) -> bool:
-        """Whether this rank counts its owned ranges in the norm: each element once over dp
-        (zero 0: dp rank 0 counts everything)."""
-        return self.dp_rank == 0
+    def norm_span(self, bucket: Bucket) -> tuple[int, int]:
+        """The flat range of `bucket` whose squares this rank adds to the global norm, each
+        element on one dp rank. Zero 0: every rank holds the whole reduced buffer, so each
+        counts its 1/dp of it (the norm's pass is shared, not run by dp rank 0 alone)."""
+        n = bucket.grad.numel()
+        return n * self.dp_rank // self.dp_size, n * (self.dp_rank + 1) // self.dp_size
 
     def grad_store(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
         """Where the reduced gradient of `bucket` lives: (tensor, flat index of its element 0).
@@ -288,31 +324,35 @@ class DataParallelGrads:
         return {"params": sum(params.values()), "grads": grads}
 
     def grad_norm_views(self, counts: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
-        """Flat gradient views whose squares this rank adds to the global norm: its owned
-        ranges of the parameters `counts` accepts, adjacent ones merged. Computed once."""
+        """Flat gradient views whose squares this rank adds to the global norm: its
+        `norm_span` of the parameters `counts` accepts, adjacent ones merged. Computed once."""
         if self._norm_views is None:
             views: list[torch.Tensor] = []
-            if self.counts_in_norm_over_dp():
-                for bucket in self.buckets:
-                    lo, hi = self.owned_span(bucket)
-                    grads, g0 = self.grad_store(bucket)
-                    spans: list[list[int]] = []
-                    for p, off in zip(bucket.params, bucket.offsets):
-                        start, end = max(off, lo), min(off + p.numel(), hi)
-                        if start >= end or not counts(p):
-                            continue
-                        if spans and spans[-1][1] == start:
-                            spans[-1][1] = end
-                        else:
-                            spans.append([start, end])
-                    views += [grads[a - g0 : b - g0] for a, b in spans]
+            for bucket in self.buckets:
+                grads, g0 = self.grad_store(bucket)
+                views += [grads[a - g0 : b - g0] for a, b in self._norm_spans(bucket, counts)]
             if views and views[0].device.type == "cpu":
                 # The CPU's fp32 norm kernel sums sequentially (~1e-4 relative error on a few
-                # million elements); over 16k-element pieces it stays below 1e-7, and the fp32
-                # pass costs ~1/15 of an fp64 one. GPU reductions are trees: no need there.
-                views = [piece for v in views for piece in v.split(_NORM_PIECE)]
+                # million elements); over 16k-element rows it stays below 1e-7, and the fp32
+                # pass costs ~1/15 of an fp64 one. A 2-D view is normed row by row in one call
+                # (a call per 16k piece cost 3x the pass). GPU reductions are trees: no need.
+                views = [rows for v in views for rows in _norm_rows(v)]
             self._norm_views = views
         return self._norm_views
+
+    def _norm_spans(self, bucket: Bucket, counts: Callable[[nn.Parameter], bool]) -> list:
+        """[start, end) flat ranges of `bucket` in this rank's norm, adjacent ones merged."""
+        lo, hi = self.norm_span(bucket)
+        spans: list[list[int]] = []
+        for p, off in zip(bucket.params, bucket.offsets):
+            start, end = max(off, lo), min(off + p.numel(), hi)
+            if start >= end or not counts(p):
+                continue
+            if spans and spans[-1][1] == start:
+                spans[-1][1] = end
+            else:
+                spans.append([start, end])
+        return spans
 
     def gather_params(self) -> None:
         """After the optimizer step: nothing to do when every rank stepped everything."""

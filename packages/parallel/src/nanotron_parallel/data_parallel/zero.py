@@ -39,8 +39,8 @@ class ZeroOneGrads(DataParallelGrads):
     def owned_span(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.chunk_range(self.dp_rank, self.dp_size)
 
-    def counts_in_norm_over_dp(self) -> bool:
-        return True  # each rank its own chunks: every element once
+    def norm_span(self, bucket: Bucket) -> tuple[int, int]:
+        return self.owned_span(bucket)  # each rank its own chunks: every element once
 
     def _launch_collective(self, bucket: Bucket) -> None:
         if not self.tensor_collectives or bucket.full:
@@ -140,6 +140,7 @@ class ZeroTwoGrads(ZeroOneGrads):
         self.armed = False
 
     def zero_grad(self) -> None:
+        self._written.clear()
         for bucket in self.buckets:
             if bucket.resident:  # a step that stopped before its reduction
                 bucket.grad.zero_()

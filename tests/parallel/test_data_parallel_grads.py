@@ -1,0 +1,121 @@
+"""The data-parallel gradient buffers across steps, and the gradient norm's share per rank.
+
+The buffers are not cleared between steps: a step's first gradient of a parameter is written,
+later ones added, and a parameter no micro-batch reached is zeroed before its reduction. The
+values must be exactly those of accumulating into zeroed buffers. Under ZeRO-0 each dp rank
+norms its 1/dp of every (identical) reduced buffer; on the CPU the views are 2-D, a norm per
+16k-element row, bitwise the norms of 16k-element pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanotron_parallel.clip import _norms, global_grad_norm
+from nanotron_parallel.data_parallel import build_data_parallel
+from nanotron_parallel.data_parallel.buckets import _NORM_PIECE
+
+SIZES = (5, 40_000, 3)  # the middle one spans rows of the CPU norm, with a tail
+
+
+def _grads(step: int, micro: int, rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+    return [torch.randn(n, generator=gen) for n in SIZES]
+
+
+def _params() -> list[nn.Parameter]:
+    return [nn.Parameter(torch.zeros(n)) for n in SIZES]
+
+
+def _backward(params, grads, used) -> None:
+    """What autograd does: the gradient lands in .grad, then the post-accumulate hooks run."""
+    for p, g, u in zip(params, grads, used):
+        if u:
+            (p * g).sum().backward()
+
+
+def _dp_worker(zero_stage: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = _params()
+    dp = build_data_parallel(zero_stage, params, None, world, rank, bucket_cap_mb=0.1)
+    out = {}
+    # step 1: all parameters used, two micro-batches; step 2: the last parameter unused
+    for step, used in ((1, (True, True, True)), (2, (True, True, False))):
+        dp.zero_grad()
+        for micro in range(2):
+            if micro == 1:
+                dp.arm()
+            _backward(params, _grads(step, micro, rank), used)
+        dp.finish()
+        out[step] = [p.main_grad.clone() for p in params]
+    views = dp.grad_norm_views(lambda p: True)
+    out["norm"] = float(global_grad_norm(views, None, torch.device("cpu")))
+    out["counted"] = sum(v.numel() for v in views)
+    dist.destroy_process_group()
+    return out
+
+
+def _expected_step(step: int, used, world: int) -> list[torch.Tensor]:
+    """Zeroed buffers, each rank's micro-batches added pre-divided, summed over ranks."""
+    total = [torch.zeros(n) for n in SIZES]
+    for rank in range(world):
+        local = [torch.zeros(n) for n in SIZES]
+        for micro in range(2):
+            for buf, g, u in zip(local, _grads(step, micro, rank), used):
+                if u:
+                    buf.add_(g, alpha=1.0 / world)
+        for t, buf in zip(total, local):
+            t.add_(buf)
+    return total
+
+
+def test_buffers_are_rewritten_each_step_and_the_norm_is_shared_over_dp():
+    from nanotron_parallel.testing import run_distributed
+
+    results = run_distributed(_dp_worker, 2, 0, timeout=120)
+    want1 = _expected_step(1, (True, True, True), 2)
+    want2 = _expected_step(2, (True, True, False), 2)
+    for res in results:
+        assert all(torch.equal(a, b) for a, b in zip(res[1], want1))
+        # step 2 holds step 2's gradients only; the unused parameter's are zero
+        assert all(torch.equal(a, b) for a, b in zip(res[2], want2))
+        assert torch.count_nonzero(res[2][2]) == 0
+    full = torch.cat(want2).double()
+    counted = [r["counted"] for r in results]  # about half each, every element once
+    assert sum(counted) == sum(SIZES) and abs(counted[0] - counted[1]) <= 2, counted
+    for res in results:  # every rank the same norm, each element counted once
+        assert abs(res["norm"] - float(full.square().sum().sqrt())) <= 1e-6 * res["norm"]
+
+
+def test_single_process_overwrites_and_clears_without_a_zeroing_pass():
+    params = _params()
+    dp = build_data_parallel(0, params, None, 1, 0)
+    dp.zero_grad()
+    _backward(params, _grads(1, 0, 0), (True, True, True))
+    dp.finish()
+    dp.zero_grad()
+    _backward(params, _grads(2, 0, 0), (True, False, False))
+    _backward(params, _grads(2, 1, 0), (True, False, False))
+    dp.finish()
+    g1, g2 = _grads(2, 0, 0)[0], _grads(2, 1, 0)[0]
+    assert torch.equal(params[0].main_grad, torch.zeros(5).add_(g1).add_(g2))
+    assert torch.count_nonzero(params[1].main_grad) == 0
+    assert torch.count_nonzero(params[2].main_grad) == 0
+
+
+def test_cpu_norm_rows_are_the_norms_of_16k_pieces_bitwise():
+    params = _params()
+    dp = build_data_parallel(0, params, None, 1, 0)
+    dp.zero_grad()
+    _backward(params, _grads(3, 0, 0), (True, True, True))
+    dp.finish()
+    views = dp.grad_norm_views(lambda p: True)
+    assert any(v.dim() == 2 and v.shape[1] == _NORM_PIECE for v in views)
+    flat = torch.cat([v.reshape(-1) for v in views])
+    pieces = [piece for v in views for piece in v.reshape(-1).split(_NORM_PIECE)]
+    assert flat.numel() == sum(SIZES)
+    assert torch.equal(_norms(views), torch.stack(torch._foreach_norm(pieces)))
