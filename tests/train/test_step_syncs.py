@@ -3,7 +3,8 @@
 A host sync shows up as one of the ops that copy a device scalar to the host
 (`aten::_local_scalar_dense`, `aten::item`, `aten::is_nonzero`). One unlogged training step
 must run none of them, at several layouts; a logged step reads exactly two values (the loss and
-the gradient norm). The pipeline's p2p payload messages per step equal the schedule's count,
+the gradient norm). The gradient norm is one call per view (on the CPU a 2-D view norms its 16k
+rows at once), and no pass clears the gradient buffers (the step's first gradient is written). The pipeline's p2p payload messages per step equal the schedule's count,
 and after the first step (which agrees the shapes) no header is sent.
 
 Expert parallelism is the exception, counted where it is tested (tests/train/test_moe_train.py):
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import math
 import re
 
 import torch
@@ -30,13 +32,15 @@ _PAYLOADS = re.compile(r"pp\.p2p\.payloads sends=(\d+) recvs=(\d+)")
 def _events(fn) -> tuple[dict[str, int], object]:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         value = fn()
     counts: dict[str, int] = {}
     for e in prof.events():
         name = e.name
         if name in SYNC_OPS and _in_optimizer(e):
             name += " (optimizer step counter)"
+        if name in ("aten::zero_", "aten::fill_") and e.input_shapes and e.input_shapes[0]:
+            name += f" numel={math.prod(e.input_shapes[0])}"  # which buffer it cleared
         counts[name] = counts.get(name, 0) + 1
     return counts, value
 
@@ -92,6 +96,10 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
                 step, result = _events(trainer.train_step)
                 record, rec = _events(functools.partial(trainer.step_record, result, 1.0))
                 inner = trainer.state.optimizer.inner
+                norm_views = len(trainer.norm_views)
+                # buffers of several parameters (a one-parameter buffer has the size of the
+                # embedding's own backward zero-fill, so it cannot be told apart by size)
+                buffers = {b.grad.numel() for b in trainer.grads.buckets if len(b.params) > 1}
                 on_host = all(st["step"].device.type == "cpu" for st in inner.state.values())
                 trainer.close()
             finally:
@@ -112,6 +120,15 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
                 "first_headers": first.get("pp.p2p.headers", 0),
                 "pp_rank": pc.pp_rank,
                 "optimizer_counters_on_host": on_host,
+                # the gradient norm: one call per view; the buffers: never cleared in a pass
+                "norm_calls": step.get("aten::linalg_vector_norm", 0),
+                "norm_views": norm_views,
+                "buffers": sorted(buffers),
+                "buffer_clears": sum(
+                    n for name, n in step.items()
+                    if name.startswith(("aten::zero_ numel=", "aten::fill_ numel="))
+                    and int(name.rsplit("=", 1)[1]) in buffers
+                ),
                 "loss": rec["lm_loss"],
             })  # fmt: skip
     return out
@@ -123,6 +140,8 @@ def check(layouts: list[dict], per_rank: list[list[dict]]) -> None:
             assert res["step_syncs"] == dict.fromkeys(SYNC_OPS, 0), (layout, res)
             assert res["optimizer_counters_on_host"], res
             assert res["record_reads"] == 2, (layout, res)  # the loss and the grad norm
+            assert res["norm_calls"] == res["norm_views"] > 0, (layout, res)
+            assert res["buffer_clears"] == 0 and res["buffers"], (layout, res)
             want = expected_messages(layout, res["pp_rank"])
             assert (res["sends"], res["recvs"]) == want, (layout, res, want)
             assert res["headers"] == 0, (layout, res)

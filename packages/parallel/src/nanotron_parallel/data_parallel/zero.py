@@ -58,12 +58,8 @@ class ZeroOneGrads(DataParallelGrads):
         if self.dp_size == 1:
             return
         for bucket in self.buckets:
-            dtype = bucket.params[0].dtype
-            flat = torch.zeros(bucket.grad.numel(), dtype=dtype, device=bucket.grad.device)
-            for p, off in zip(bucket.params, bucket.offsets):
-                flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-            lo, hi = self.owned_span(bucket)
-            mine = flat[lo:hi].clone()
+            flat = torch.empty_like(bucket.grad, dtype=bucket.params[0].dtype)
+            mine = self._own_values(bucket)
             # telemetry: waiting here for the slowest dp rank is not this rank's optimizer work
             with comm_span("optimizer_comm"):
                 if self.tensor_collectives:
@@ -72,6 +68,19 @@ class ZeroOneGrads(DataParallelGrads):
                     dist.all_gather(list(flat.chunk(self.dp_size)), mine, group=self.dp_group)
             for p, off in zip(bucket.params, bucket.offsets):
                 p.detach().copy_(flat[off : off + p.numel()].view_as(p))
+
+    def _own_values(self, bucket: Bucket) -> torch.Tensor:
+        """A copy of this rank's chunk of the bucket's parameter values (its padding zero):
+        only that chunk is copied out, the all-gather fills the rest."""
+        lo, hi = self.owned_span(bucket)
+        mine = torch.empty(hi - lo, dtype=bucket.params[0].dtype, device=bucket.grad.device)
+        if hi > bucket.numel:
+            mine[max(bucket.numel, lo) - lo :].zero_()
+        for p, off in zip(bucket.params, bucket.offsets):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - off : b - off])
+        return mine
 
 
 def free_storage(t: torch.Tensor) -> None:
