@@ -119,3 +119,14 @@ def test_cpu_norm_rows_are_the_norms_of_16k_pieces_bitwise():
     pieces = [piece for v in views for piece in v.reshape(-1).split(_NORM_PIECE)]
     assert flat.numel() == sum(SIZES)
     assert torch.equal(_norms(views), torch.stack(torch._foreach_norm(pieces)))
+
+
+def test_a_large_last_gradient_has_a_bucket_of_its_own():
+    # forward order: an embedding-sized parameter first, so its gradient arrives last
+    params = [nn.Parameter(torch.zeros(n)) for n in (300_000, 50_000, 50_000)]
+    dp = build_data_parallel(0, params, None, 1, 0, bucket_cap_mb=1.0)  # 262144 elements
+    index = {id(p): i for i, p in enumerate(params)}
+    assert [[index[id(p)] for p in b.params] for b in dp.buckets] == [[2, 1], [0]]
+    small_first = [nn.Parameter(torch.zeros(n)) for n in (1_000, 100_000, 100_000)]
+    dp = build_data_parallel(0, small_first, None, 1, 0, bucket_cap_mb=1.0)
+    assert [len(b.params) for b in dp.buckets] == [3]  # a small last one stays with the rest

@@ -132,9 +132,13 @@ class DataParallelGrads:
         cap = max(int(bucket_cap_mb * 2**20 / 4), 1)
         out = [([p], True) for p in reversed(params) if id(p) in full_reduce]
         group: list[nn.Parameter] = []
-        for p in reversed(params):
-            if id(p) in full_reduce:
-                continue
+        rest = [p for p in params if id(p) not in full_reduce]
+        for p in reversed(rest):
+            if p is rest[0] and group and 4 * p.numel() >= cap:
+                # The last gradient to arrive (the embedding's, say) is large: alone, so the
+                # parameters before it start their reduction without waiting for it.
+                out.append((group, False))
+                group = []
             group.append(p)
             if sum(q.numel() for q in group) >= cap:
                 out.append((group, False))
