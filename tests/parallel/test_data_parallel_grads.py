@@ -91,12 +91,18 @@ def test_buffers_are_rewritten_each_step_and_the_norm_is_shared_over_dp():
         assert abs(res["norm"] - float(full.square().sum().sqrt())) <= 1e-6 * res["norm"]
 
 
-def test_single_process_overwrites_and_clears_without_a_zeroing_pass():
+def _one_process_step(step: int):
+    """Parameters and their dp object (one process) after a step that used them all."""
     params = _params()
     dp = build_data_parallel(0, params, None, 1, 0)
     dp.zero_grad()
-    _backward(params, _grads(1, 0, 0), (True, True, True))
+    _backward(params, _grads(step, 0, 0), (True, True, True))
     dp.finish()
+    return params, dp
+
+
+def test_single_process_overwrites_and_clears_without_a_zeroing_pass():
+    params, dp = _one_process_step(1)
     dp.zero_grad()
     _backward(params, _grads(2, 0, 0), (True, False, False))
     _backward(params, _grads(2, 1, 0), (True, False, False))
@@ -108,11 +114,7 @@ def test_single_process_overwrites_and_clears_without_a_zeroing_pass():
 
 
 def test_cpu_norm_rows_are_the_norms_of_16k_pieces_bitwise():
-    params = _params()
-    dp = build_data_parallel(0, params, None, 1, 0)
-    dp.zero_grad()
-    _backward(params, _grads(3, 0, 0), (True, True, True))
-    dp.finish()
+    _, dp = _one_process_step(3)
     views = dp.grad_norm_views(lambda p: True)
     assert any(v.dim() == 2 and v.shape[1] == _NORM_PIECE for v in views)
     flat = torch.cat([v.reshape(-1) for v in views])
