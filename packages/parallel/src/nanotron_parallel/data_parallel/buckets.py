@@ -4,8 +4,8 @@ Each parameter gets `param.main_grad`, a view into a flat per-bucket buffer (fp3
 accumulating in fp32, else the parameter's dtype). A post-accumulate-grad hook adds `param.grad`
 into it, already divided by dp, and frees `param.grad`, so micro-batches accumulate locally and
 nothing is communicated until the last micro-batch. The step's first gradient of a parameter is
-written rather than added, so the buffers need no clearing pass between steps. `arm()` (the pipeline's `on_last_backward`)
-makes the hooks count arrivals: when every gradient of a bucket has arrived in the last
+written rather than added, so the buffers need no clearing pass between steps. `arm()` (the
+pipeline's `on_last_backward`) makes the hooks count arrivals: when every gradient of a bucket has arrived in the last
 backward, that bucket's asynchronous all-reduce (or, for ZeRO, reduce-scatter: see zero.py)
 starts while the backward goes on. `finish()` launches whatever is left and waits; the sum of
 the pre-divided gradients is the mean over data-parallel replicas, with no pass over the
@@ -21,7 +21,7 @@ It reduces over the group it is given, whatever that group is; `build_data_paral
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +66,14 @@ class Bucket:
     full: bool = False  # always all-reduced (e.g. tied parameters, summed across stages later)
     shard: torch.Tensor | None = None  # ZeRO-2/3: the reduced gradient of this rank's chunk
     resident: bool = True  # whether `grad`'s storage is allocated (ZeRO-2/3 free it)
+
+    def ranges_in(self, lo: int, hi: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+        """(parameter, its offset, start, end) for each parameter meeting the flat range
+        [lo, hi), its [start, end) clipped to that range."""
+        for p, off in zip(self.params, self.offsets):
+            start, end = max(off, lo), min(off + p.numel(), hi)
+            if start < end:
+                yield p, off, start, end
 
     def chunk_range(self, rank: int, world: int) -> tuple[int, int]:
         """This dp rank's slice of the (padded) flat buffer, used by ZeRO-1."""
@@ -175,7 +183,7 @@ class DataParallelGrads:
         return 1
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        self._accumulate(param.main_grad, param.grad, id(param))
+        self._accumulate(param)
         param.grad = None
         if not self.armed:
             return
@@ -186,19 +194,19 @@ class DataParallelGrads:
         if len(bucket.seen) == len(bucket.params):
             self._launch(bucket)
 
-    def _accumulate(self, main: torch.Tensor, grad: torch.Tensor, key: int) -> None:
+    def _accumulate(self, param: nn.Parameter) -> None:
         """Add a micro-batch's gradient, pre-scaled, into the buffer. The step's first one of
         a parameter is written instead of added to zeros (bitwise the same values): the
         buffers are not cleared between steps, which saves a pass over every gradient;
         `_launch` clears what no gradient reached."""
-        scale = self._grad_scale
-        if key in self._written:
+        main, grad, scale = param.main_grad, param.grad, self._grad_scale
+        if id(param) in self._written:
             if scale == 1.0:
                 main.add_(grad)
             else:
                 main.add_(grad, alpha=scale)
             return
-        self._written.add(key)
+        self._written.add(id(param))
         if scale == 1.0:
             main.copy_(grad)
         elif grad.dtype == main.dtype:
@@ -285,10 +293,7 @@ class DataParallelGrads:
             lo, hi = self.owned_span(bucket)
             grads, g0 = self.grad_store(bucket)
             values = self.value_store(bucket)
-            for p, off in zip(bucket.params, bucket.offsets):
-                start, end = max(off, lo), min(off + p.numel(), hi)
-                if start >= end:
-                    continue
+            for p, off, start, end in bucket.ranges_in(lo, hi):
                 if values is None:
                     value = p.detach().reshape(-1)[start - off : end - off]
                 else:
@@ -346,11 +351,9 @@ class DataParallelGrads:
 
     def _norm_spans(self, bucket: Bucket, counts: Callable[[nn.Parameter], bool]) -> list:
         """[start, end) flat ranges of `bucket` in this rank's norm, adjacent ones merged."""
-        lo, hi = self.norm_span(bucket)
         spans: list[list[int]] = []
-        for p, off in zip(bucket.params, bucket.offsets):
-            start, end = max(off, lo), min(off + p.numel(), hi)
-            if start >= end or not counts(p):
+        for p, _, start, end in bucket.ranges_in(*self.norm_span(bucket)):
+            if not counts(p):
                 continue
             if spans and spans[-1][1] == start:
                 spans[-1][1] = end

@@ -76,10 +76,8 @@ class ZeroOneGrads(DataParallelGrads):
         mine = torch.empty(hi - lo, dtype=bucket.params[0].dtype, device=bucket.grad.device)
         if hi > bucket.numel:
             mine[max(bucket.numel, lo) - lo :].zero_()
-        for p, off in zip(bucket.params, bucket.offsets):
-            a, b = max(off, lo), min(off + p.numel(), hi)
-            if a < b:
-                mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - off : b - off])
+        for p, off, a, b in bucket.ranges_in(lo, hi):
+            mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - off : b - off])
         return mine
 
 
@@ -146,16 +144,6 @@ class ZeroTwoGrads(ZeroOneGrads):
                 bucket.shard.copy_(bucket.grad[lo:hi])
             free_storage(bucket.grad)
             bucket.resident = False
-        self.armed = False
-
-    def zero_grad(self) -> None:
-        self._written.clear()
-        for bucket in self.buckets:
-            if bucket.resident:  # a step that stopped before its reduction
-                bucket.grad.zero_()
-            bucket.seen.clear()
-            bucket.launched = False
-            bucket.handle = None
         self.armed = False
 
     def grad_store(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
