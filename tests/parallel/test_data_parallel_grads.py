@@ -4,7 +4,9 @@ The buffers are not cleared between steps: a step's first gradient of a paramete
 later ones added, and a parameter no micro-batch reached is zeroed before its reduction. The
 values must be exactly those of accumulating into zeroed buffers. Under ZeRO-0 each dp rank
 norms its 1/dp of every (identical) reduced buffer; on the CPU the views are 2-D, a norm per
-16k-element row, bitwise the norms of 16k-element pieces.
+16k-element row, bitwise the norms of 16k-element pieces. A tensor-parallel linear's weight
+gradient skips autograd: its matmul runs into the buffer (gradient-accumulation fusion), with
+autograd's values.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 from torch import nn
 
 from nanotron_parallel.clip import _norms, global_grad_norm
-from nanotron_parallel.data_parallel import build_data_parallel
+from nanotron_parallel.data_parallel import DataParallelGrads, build_data_parallel
+from nanotron_parallel.data_parallel.accumulate import accumulate_product
 from nanotron_parallel.data_parallel.buckets import _NORM_PIECE
 
 SIZES = (5, 40_000, 3)  # the middle one spans rows of the CPU norm, with a tail
@@ -132,3 +135,75 @@ def test_a_large_last_gradient_has_a_bucket_of_its_own():
     small_first = [nn.Parameter(torch.zeros(n)) for n in (1_000, 100_000, 100_000)]
     dp = build_data_parallel(0, small_first, None, 1, 0, bucket_cap_mb=1.0)
     assert [len(b.params) for b in dp.buckets] == [3]  # a small last one stays with the rest
+
+
+# -- gradient-accumulation fusion: a linear's weight gradient computed into its buffer ---------
+
+
+def _linears_and_inputs(micro_batches: int):
+    from nanotron_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    column = ColumnParallelLinear(24, 40, None, "ALL_REDUCE", bias=True)
+    row = RowParallelLinear(40, 24, None, "ALL_REDUCE")
+    for layer in (column, row):
+        nn.init.normal_(layer.weight, std=0.2)
+    if column.bias is not None:
+        nn.init.normal_(column.bias, std=0.2)
+    inputs = [torch.randn(16, 2, 24) for _ in range(micro_batches)]
+    return column, row, inputs
+
+
+def _accumulated(fuse: bool, micro_batches: int, grad_scale: float) -> tuple[list, int]:
+    """The buffers after `micro_batches` backwards of row(column(x)), fused or through
+    autograd, and how many gradients passed through autograd's accumulation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanotron_parallel.tensor_parallel.layers import _TPLinearBase
+
+    column, row, inputs = _linears_and_inputs(micro_batches)
+    params = [column.weight, column.bias, row.weight]
+    dp = DataParallelGrads(params, None, 1, 0, grad_scale=grad_scale)
+    dp.zero_grad()
+    _TPLinearBase.fuse_grad_accumulation = fuse
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for x in inputs:
+                row(torch.relu(column(x))).square().sum().backward()
+    finally:
+        _TPLinearBase.fuse_grad_accumulation = True
+    dp.finish()
+    through_autograd = sum(e.name == "torch::autograd::AccumulateGrad" for e in prof.events())
+    assert all(p.grad is None for p in params)
+    return [p.main_grad.clone() for p in params], through_autograd
+
+
+def test_fused_weight_gradients_equal_autograd_accumulation():
+    from nanotron_parallel.testing import shared_default_group
+
+    with shared_default_group():
+        for scale in (1.0, 0.5):  # 0.5: a dp=2 buffer's pre-divided gradients
+            fused, n_fused = _accumulated(True, 1, scale)
+            plain, n_plain = _accumulated(False, 1, scale)
+            # one micro-batch: the matmul writes exactly autograd's gradient, scaled
+            assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+            assert (n_fused, n_plain) == (1, 3)  # only the bias went through autograd
+            fused, n_fused = _accumulated(True, 3, scale)
+            plain, n_plain = _accumulated(False, 3, scale)
+            # later micro-batches add in the matmul (one rounding instead of two)
+            for a, b in zip(fused, plain):
+                assert torch.allclose(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+            assert (n_fused, n_plain) == (3, 9)
+
+
+def test_fused_product_of_low_precision_factors_into_fp32():
+    main = torch.full((6, 5), float("nan"))  # stale values are never read on a first write
+    a, b = torch.randn(6, 7).bfloat16(), torch.randn(7, 5).bfloat16()
+    accumulate_product(main, a, b, 0.5, first=True)
+    assert torch.equal(main, a.mm(b).float() * 0.5)
+    accumulate_product(main, a, b, 0.5, first=False)
+    assert torch.equal(main, (a.mm(b).float() * 0.5).add_(a.mm(b), alpha=0.5))
+    nan = torch.full((6, 5), float("nan"))
+    a32, b32 = a.float(), b.float()
+    accumulate_product(nan, a32, b32, 0.5, first=True)
+    assert torch.equal(nan, a32.mm(b32) * 0.5)

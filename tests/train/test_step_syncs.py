@@ -4,8 +4,10 @@ A host sync shows up as one of the ops that copy a device scalar to the host
 (`aten::_local_scalar_dense`, `aten::item`, `aten::is_nonzero`). One unlogged training step
 must run none of them, at several layouts; a logged step reads exactly two values (the loss and
 the gradient norm). The gradient norm is one call per view (on the CPU a 2-D view norms its 16k
-rows at once), and no pass clears the gradient buffers (the step's first gradient is written). The pipeline's p2p payload messages per step equal the schedule's count,
-and after the first step (which agrees the shapes) no header is sent.
+rows at once), no pass clears the gradient buffers (the step's first gradient is written), and
+the linears' weight gradients never pass through autograd (their matmuls accumulate into the
+buffers). The pipeline's p2p payload messages per step equal the schedule's count, and after
+the first step (which agrees the shapes) no header is sent.
 
 Expert parallelism is the exception, counted where it is tested (tests/train/test_moe_train.py):
 each dispatcher reads its split sizes on the host once per MoE layer and micro-batch
@@ -101,6 +103,7 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
                 # embedding's own backward zero-fill, so it cannot be told apart by size)
                 buffers = {b.grad.numel() for b in trainer.grads.buckets if len(b.params) > 1}
                 on_host = all(st["step"].device.type == "cpu" for st in inner.state.values())
+                unfused = _params_through_autograd(trainer)
                 trainer.close()
             finally:
                 dist.barrier()
@@ -130,8 +133,24 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
                     and int(name.rsplit("=", 1)[1]) in buffers
                 ),
                 "loss": rec["lm_loss"],
+                # gradients accumulated by autograd, not by the linears' fused matmuls
+                "through_autograd": step.get("torch::autograd::AccumulateGrad", 0),
+                "expected_through_autograd": unfused * 4 // layout["dp"],
             })  # fmt: skip
     return out
+
+
+def _params_through_autograd(trainer) -> int:
+    """Parameters whose gradient autograd accumulates: all but the weights of the linears
+    that accumulate their own (gradient-accumulation fusion)."""
+    from nanotron_parallel.tensor_parallel.layers import _TPLinearBase
+
+    fused = {
+        id(m.weight)
+        for m in trainer.state.model.modules()
+        if isinstance(m, _TPLinearBase) and m.fuse_grad_accumulation
+    }
+    return sum(id(p) not in fused for _, p in trainer.named_params)
 
 
 def check(layouts: list[dict], per_rank: list[list[dict]]) -> None:
@@ -148,6 +167,9 @@ def check(layouts: list[dict], per_rank: list[list[dict]]) -> None:
             if layout["pp"] > 1:
                 assert res["first_headers"] > 0, (layout, res)  # shapes agreed on step 1
             assert 4.0 < res["loss"] < 7.0, res
+            if layout["pp"] == 1 and not layout.get("async"):  # (a stage's received
+                # activations are leaves too; the async linears gather their own inputs)
+                assert res["through_autograd"] == res["expected_through_autograd"], (layout, res)
 
 
 def test_single_process_step_has_no_host_sync():

@@ -313,6 +313,8 @@ class DecoderLayer(nn.Module):
 class LMHead(ColumnParallelLinear):
     """Hidden -> this rank's logit shard [s, b, vocab_padded / tp]."""
 
+    fuse_grad_accumulation = False  # its weight may be the embedding's (tied): two uses
+
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)
 

@@ -4,7 +4,10 @@ Each parameter gets `param.main_grad`, a view into a flat per-bucket buffer (fp3
 accumulating in fp32, else the parameter's dtype). A post-accumulate-grad hook adds `param.grad`
 into it, already divided by dp, and frees `param.grad`, so micro-batches accumulate locally and
 nothing is communicated until the last micro-batch. The step's first gradient of a parameter is
-written rather than added, so the buffers need no clearing pass between steps. `arm()` (the
+written rather than added, so the buffers need no clearing pass between steps. A layer whose
+weight gradient is a matmul can skip autograd's gradient tensor altogether:
+`param.accumulate_grad_product(a, b)` runs `a @ b` straight into the buffer (gradient-
+accumulation fusion, accumulate.py), and counts as the parameter's arrival. `arm()` (the
 pipeline's `on_last_backward`) makes the hooks count arrivals: when every gradient of a bucket has arrived in the last
 backward, that bucket's asynchronous all-reduce (or, for ZeRO, reduce-scatter: see zero.py)
 starts while the backward goes on. `finish()` launches whatever is left and waits; the sum of
@@ -21,6 +24,7 @@ It reduces over the group it is given, whatever that group is; `build_data_paral
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -28,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
+
+from nanotron_parallel.data_parallel.accumulate import accumulate, accumulate_product
 
 _NORM_PIECE = 1 << 14  # elements per norm row on the CPU (see grad_norm_views)
 
@@ -130,6 +136,8 @@ class DataParallelGrads:
         for group, full in self.bucket_groups(unique, bucket_cap_mb, full_reduce or set()):
             self._add_bucket(group, grad_dtype, self.pad_to(), full)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique]
+        for p in unique:  # what a fusing layer's backward calls instead (accumulate.py)
+            p.accumulate_grad_product = functools.partial(self._on_grad_product, p)
 
     def bucket_groups(
         self, params: list[nn.Parameter], bucket_cap_mb: float, full_reduce: set[int]
@@ -182,9 +190,16 @@ class DataParallelGrads:
         """Each bucket's buffer is padded to a multiple of this (ZeRO: dp equal chunks)."""
         return 1
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        self._accumulate(param)
-        param.grad = None
+    def _on_grad(self, param: nn.Parameter, product: tuple | None = None) -> None:
+        """A micro-batch's gradient of `param` arrived: `param.grad`, or, from a fusing layer,
+        the two factors of its matmul (`product`)."""
+        first = id(param) not in self._written
+        self._written.add(id(param))
+        if product is None:
+            accumulate(param.main_grad, param.grad, self._grad_scale, first)
+            param.grad = None
+        else:
+            accumulate_product(param.main_grad, *product, self._grad_scale, first)
         if not self.armed:
             return
         bucket = self._bucket_of[id(param)]
@@ -194,25 +209,8 @@ class DataParallelGrads:
         if len(bucket.seen) == len(bucket.params):
             self._launch(bucket)
 
-    def _accumulate(self, param: nn.Parameter) -> None:
-        """Add a micro-batch's gradient, pre-scaled, into the buffer. The step's first one of
-        a parameter is written instead of added to zeros (bitwise the same values): the
-        buffers are not cleared between steps, which saves a pass over every gradient;
-        `_launch` clears what no gradient reached."""
-        main, grad, scale = param.main_grad, param.grad, self._grad_scale
-        if id(param) in self._written:
-            if scale == 1.0:
-                main.add_(grad)
-            else:
-                main.add_(grad, alpha=scale)
-            return
-        self._written.add(id(param))
-        if scale == 1.0:
-            main.copy_(grad)
-        elif grad.dtype == main.dtype:
-            torch.mul(grad, scale, out=main)
-        else:  # a low-precision gradient into fp32: scaled in fp32, as the add would
-            main.copy_(grad).mul_(scale)
+    def _on_grad_product(self, param: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
+        self._on_grad(param, (a, b))
 
     def _clear_unwritten(self, bucket: Bucket) -> None:
         """Zero what no gradient reached this step (a parameter no micro-batch used)."""
@@ -255,7 +253,7 @@ class DataParallelGrads:
         self.armed = False
 
     def zero_grad(self) -> None:
-        """Start a new step: buffers to be overwritten (`_accumulate`), disarmed hooks."""
+        """Start a new step: buffers to be overwritten (accumulate.py), disarmed hooks."""
         self._written.clear()
         for bucket in self.buckets:
             bucket.seen.clear()
@@ -368,3 +366,5 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.params:
+            p.__dict__.pop("accumulate_grad_product", None)

@@ -114,11 +114,11 @@ class ZeroTwoGrads(ZeroOneGrads):
         bucket.grad.zero_()
         bucket.resident = True
 
-    def _on_grad(self, param: nn.Parameter) -> None:
+    def _on_grad(self, param: nn.Parameter, product: tuple | None = None) -> None:
         bucket = self._bucket_of[id(param)]
         if not bucket.resident:
             self._materialise(bucket)
-        super()._on_grad(param)
+        super()._on_grad(param, product)
 
     def _launch_collective(self, bucket: Bucket) -> None:
         if not bucket.resident:  # no gradient reached it this step (a stage that saw no data)

@@ -195,8 +195,8 @@ class ZeroThreeGrads(ZeroTwoGrads):
 
         return hook
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        super()._on_grad(param)
+    def _on_grad(self, param: nn.Parameter, product: tuple | None = None) -> None:
+        super()._on_grad(param, product)
         bucket = self._bucket_of[id(param)]
         bucket.arrived += 1
         if bucket.arrived == len(bucket.params) and bucket.in_backward:

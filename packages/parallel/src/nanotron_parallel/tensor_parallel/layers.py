@@ -71,6 +71,9 @@ class _TPLinearBase(nn.Module):
     async_communication: bool = False
     tensor_collectives: bool | None = None  # None: the backend's default
     recompute_allgather: bool = False
+    # The weight's gradient accumulates into its data-parallel buffer in the backward's matmul
+    # (weight_grad.split_linear); off for a layer whose weight may have another use (tied).
+    fuse_grad_accumulation: bool = True
 
     def set_communication(
         self,
@@ -210,14 +213,17 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native, recompute = self.tensor_collectives, self.recompute_allgather
+        fuse = self.fuse_grad_accumulation
         if self.async_communication and self.tp_size > 1:  # overlapped gather
             y = async_column_linear(x, self.weight, self.bias, self.group, native, recompute)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
-            y = split_linear(copy_to_tp(x, self.group), self.weight, self.bias)
+            y = split_linear(copy_to_tp(x, self.group), self.weight, self.bias, fuse)
         elif recompute and self.tp_size > 1:  # keep the shard, gather again in the backward
             y = gather_recompute_linear(x, self.weight, self.bias, self.group, native)
         else:
-            y = split_linear(all_gather_to_tp(x, self.group, 0, native), self.weight, self.bias)
+            y = split_linear(
+                all_gather_to_tp(x, self.group, 0, native), self.weight, self.bias, fuse
+            )
         if self.gather_output:
             y = gather_from_tp(y, self.group, dim=-1)
         return y
@@ -279,13 +285,15 @@ class RowParallelLinear(_TPLinearBase):
         return bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = self.tensor_collectives
+        native, fuse = self.tensor_collectives, self.fuse_grad_accumulation
         if self.async_communication and self.tp_size > 1:  # backward overlaps its gather
             y = async_row_linear(x, self.weight, self.group, native)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
-            y = reduce_from_tp(split_linear(x, self.weight), self.group)
+            y = reduce_from_tp(split_linear(x, self.weight, None, fuse), self.group)
         else:
-            y = reduce_scatter_from_tp(split_linear(x, self.weight), self.group, 0, native)
+            y = reduce_scatter_from_tp(
+                split_linear(x, self.weight, None, fuse), self.group, 0, native
+            )
         if self.bias is not None:
             # The bias is replicated; in REDUCE_SCATTER mode each rank only sees its sequence
             # chunk, so copy_to_tp sums the bias gradient over tp to make it the full one.

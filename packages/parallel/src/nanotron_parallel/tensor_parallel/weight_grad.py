@@ -144,11 +144,50 @@ class _SplitLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear, whose weight gradient can be deferred while `weight_grad_split()` is on."""
-    if not _STATE.enabled or not torch.is_grad_enabled():
+class _FusedAccumulationLinear(torch.autograd.Function):
+    """F.linear whose weight gradient goes straight into the data-parallel gradient buffer
+    (`accumulate_grad_product`, gradient-accumulation fusion) instead of through autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, param_box, bias):
+        ctx.save_for_backward(x, weight)
+        (ctx.param,), ctx.has_bias = param_box, bias is not None
         return F.linear(x, weight, bias)
-    return _SplitLinear.apply(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        flat_grad_y = _flat(grad_y)
+        ctx.param.accumulate_grad_product(flat_grad_y.t(), _flat(x))
+        return grad_x, None, None, (flat_grad_y.sum(0) if ctx.has_bias else None)
+
+
+def split_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fuse_accumulation: bool = False,
+):
+    """F.linear, whose weight gradient can be deferred while `weight_grad_split()` is on.
+    Otherwise, with `fuse_accumulation` (the caller's weight has no other use in the graph: a
+    second use would add its gradient after the bucket counted the weight as arrived) and a
+    data-parallel buffer behind the weight, its gradient is accumulated there by the backward's
+    matmul itself. Compiled regions keep F.linear."""
+    if not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    if _STATE.enabled:
+        return _SplitLinear.apply(x, weight, bias)
+    if (
+        fuse_accumulation
+        and weight.requires_grad
+        and hasattr(weight, "accumulate_grad_product")
+        and not torch.compiler.is_compiling()
+    ):
+        # No autograd edge to the parameter (detached, and boxed: a tensor argument would be
+        # one): its gradient never passes through autograd.
+        return _FusedAccumulationLinear.apply(x, weight.detach(), (weight,), bias)
+    return F.linear(x, weight, bias)
 
 
 class _SplitEmbedding(torch.autograd.Function):
