@@ -39,6 +39,7 @@ from nanotron_train.data.source import build_data
 from nanotron_train.eval.evaluation import build_evaluator
 from nanotron_train.fault.sanity import SanityCheckError, check_dp_replicas
 from nanotron_train.fault.session import FaultTolerance
+from nanotron_train.host_memory import keep_freed_host_memory
 from nanotron_train.interop.initial_weights import load_initial_weights
 from nanotron_train.lr_schedule import build_lr_schedule
 from nanotron_train.model_factory import build_stage_chunks, padded_model_config
@@ -64,6 +65,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, pc: ParallelContext, stream: TextIO = sys.stdout) -> None:
         self.cfg, self.pc = cfg, pc
+        keep_freed_host_memory()  # host_memory.py: no page faults on every step's allocations
         level = configure_logging(cfg.logging, pc.rank)  # log_level / log_level_replica
         check_memory(cfg, pc)  # memory_estimate.py: refuse what cannot fit, before allocating
         torch.manual_seed(cfg.general.seed)

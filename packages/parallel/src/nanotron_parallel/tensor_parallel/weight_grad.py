@@ -1,4 +1,4 @@
-"""The backward split in two: B (input gradients, now) and W (weight gradients, later).
+"""The linears' weight gradients: split from the backward (zero bubble), or accumulated in place.
 
 A zero-bubble pipeline schedule (pipeline/zero_bubble.py) runs each micro-batch's backward as
 B, whose input gradient the previous stage is waiting for, and its W when the schedule has a
@@ -18,6 +18,14 @@ The closure runs the same kernels on the same tensors as the fused backward, so 
 bitwise the gradients of one backward. Any parameter without a split (a bias added outside a
 linear, say) gets its gradient in B, kept by the schedule and accumulated in the same W call:
 gradient accumulation, and the reduction that follows it, happens only in W.
+
+Gradient-accumulation fusion: a linear whose weight has a data-parallel buffer
+(`accumulate_grad_product`, set by nanotron_parallel.data_parallel) and no other use in the
+graph (the caller's `fuse_accumulation`) builds `_FusedAccumulationLinear`. Its backward hands
+the two factors of the weight gradient to the buffer, where one matmul writes or adds them
+(data_parallel/accumulate.py): autograd never holds that gradient, nor copies it to the
+weight's layout. Under a zero-bubble B the accumulation is the deferred closure, so it still
+happens in W, and a W closure's gradients of such weights never pass through autograd either.
 
 The state is process-wide (not thread-local): the CUDA autograd engine runs backwards on its
 own threads.
@@ -146,12 +154,14 @@ class _SplitLinear(torch.autograd.Function):
 
 class _FusedAccumulationLinear(torch.autograd.Function):
     """F.linear whose weight gradient goes straight into the data-parallel gradient buffer
-    (`accumulate_grad_product`, gradient-accumulation fusion) instead of through autograd."""
+    (`accumulate_grad_product`, gradient-accumulation fusion) instead of through autograd;
+    under a zero-bubble B it is deferred to the W like the split linear's."""
 
     @staticmethod
     def forward(ctx, x, weight, param_box, bias):
         ctx.save_for_backward(x, weight)
         (ctx.param,), ctx.has_bias = param_box, bias is not None
+        ctx.bias_params = () if bias is None else (bias,)  # see `defer`
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -159,8 +169,15 @@ class _FusedAccumulationLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
         flat_grad_y = _flat(grad_y)
-        ctx.param.accumulate_grad_product(flat_grad_y.t(), _flat(x))
-        return grad_x, None, None, (flat_grad_y.sum(0) if ctx.has_bias else None)
+
+        def compute():  # the weight's gradient accumulated; the bias's returned
+            ctx.param.accumulate_grad_product(flat_grad_y.t(), _flat(x))
+            return (flat_grad_y.sum(0),) if ctx.has_bias else ()
+
+        if defer(ctx.bias_params, compute):
+            return grad_x, None, None, None
+        grad_bias = compute()
+        return grad_x, None, None, (grad_bias[0] if grad_bias else None)
 
 
 def split_linear(
@@ -170,14 +187,12 @@ def split_linear(
     fuse_accumulation: bool = False,
 ):
     """F.linear, whose weight gradient can be deferred while `weight_grad_split()` is on.
-    Otherwise, with `fuse_accumulation` (the caller's weight has no other use in the graph: a
-    second use would add its gradient after the bucket counted the weight as arrived) and a
-    data-parallel buffer behind the weight, its gradient is accumulated there by the backward's
-    matmul itself. Compiled regions keep F.linear."""
+    With `fuse_accumulation` (the caller's weight has no other use in the graph: a second use
+    would add its gradient after the bucket counted the weight as arrived) and a data-parallel
+    buffer behind the weight, its gradient is accumulated there by the backward's matmul
+    itself. Compiled regions keep F.linear."""
     if not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    if _STATE.enabled:
-        return _SplitLinear.apply(x, weight, bias)
     if (
         fuse_accumulation
         and weight.requires_grad
@@ -187,6 +202,8 @@ def split_linear(
         # No autograd edge to the parameter (detached, and boxed: a tensor argument would be
         # one): its gradient never passes through autograd.
         return _FusedAccumulationLinear.apply(x, weight.detach(), (weight,), bias)
+    if _STATE.enabled:
+        return _SplitLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
