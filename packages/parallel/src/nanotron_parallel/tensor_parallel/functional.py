@@ -171,13 +171,15 @@ def _norm_dim(x: torch.Tensor, dim: int) -> int:
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Identity forward; all-reduce of the gradient (enter a tp region with a replicated input)."""
-    return _CopyToTP.apply(x, group)
+    """Identity forward; all-reduce of the gradient (enter a tp region with a replicated input).
+    A group of one adds no autograd node (the step's forward and backward run every call)."""
+    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """All-reduce forward (sum the partial results of a tp region); identity backward."""
-    return _ReduceFromTP.apply(x, group)
+    """All-reduce forward (sum the partial results of a tp region); identity backward. A group
+    of one adds no autograd node."""
+    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
