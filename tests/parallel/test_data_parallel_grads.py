@@ -146,10 +146,8 @@ def _linears_and_inputs(micro_batches: int):
     torch.manual_seed(0)
     column = ColumnParallelLinear(24, 40, None, "ALL_REDUCE", bias=True)
     row = RowParallelLinear(40, 24, None, "ALL_REDUCE")
-    for layer in (column, row):
-        nn.init.normal_(layer.weight, std=0.2)
-    if column.bias is not None:
-        nn.init.normal_(column.bias, std=0.2)
+    for weight in (column.weight, column.bias, row.weight):
+        nn.init.normal_(weight, std=0.2)
     inputs = [torch.randn(16, 2, 24) for _ in range(micro_batches)]
     return column, row, inputs
 

@@ -33,11 +33,11 @@ def accumulate(main: torch.Tensor, grad: torch.Tensor, scale: float, first: bool
         main.copy_(grad).mul_(scale)
 
 
-@torch.no_grad()
 def accumulate_product(
     main: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, first: bool
 ) -> None:
-    """main (+)= (a @ b) * scale, `main` a [m, n] view, `a` [m, k], `b` [k, n]."""
+    """main (+)= (a @ b) * scale, `main` a [m, n] view, `a` [m, k], `b` [k, n]. Called from a
+    backward or a zero-bubble W, where grad mode is already off (no context to enter here)."""
     if a.dtype != main.dtype or b.dtype != main.dtype:  # bf16 factors, fp32 buffer: no mixed
         accumulate(main, a.mm(b), scale, first)  # -dtype matmul; the product, then as usual
     elif not first:

@@ -8,11 +8,11 @@ written rather than added, so the buffers need no clearing pass between steps. A
 weight gradient is a matmul can skip autograd's gradient tensor altogether:
 `param.accumulate_grad_product(a, b)` runs `a @ b` straight into the buffer (gradient-
 accumulation fusion, accumulate.py), and counts as the parameter's arrival. `arm()` (the
-pipeline's `on_last_backward`) makes the hooks count arrivals: when every gradient of a bucket has arrived in the last
-backward, that bucket's asynchronous all-reduce (or, for ZeRO, reduce-scatter: see zero.py)
-starts while the backward goes on. `finish()` launches whatever is left and waits; the sum of
-the pre-divided gradients is the mean over data-parallel replicas, with no pass over the
-buffers to divide (dividing by a power of two is exact, so the result is the same bitwise).
+pipeline's `on_last_backward`) makes the hooks count arrivals: when every gradient of a bucket
+has arrived in the last backward, that bucket's asynchronous all-reduce (or, for ZeRO,
+reduce-scatter: see zero.py) starts while the backward goes on. `finish()` launches whatever
+is left and waits; the sum of the pre-divided gradients is the mean over data-parallel
+replicas, with no pass over the buffers to divide (dividing by a power of two is exact, so the result is the same bitwise).
 
 This object owns the whole data-parallel policy: buckets, padding, which collective reduces,
 which ranges this rank steps (`owned_pieces`) and counts in the gradient norm
