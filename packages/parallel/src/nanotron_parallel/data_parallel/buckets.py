@@ -12,7 +12,8 @@ pipeline's `on_last_backward`) makes the hooks count arrivals: when every gradie
 has arrived in the last backward, that bucket's asynchronous all-reduce (or, for ZeRO,
 reduce-scatter: see zero.py) starts while the backward goes on. `finish()` launches whatever
 is left and waits; the sum of the pre-divided gradients is the mean over data-parallel
-replicas, with no pass over the buffers to divide (dividing by a power of two is exact, so the result is the same bitwise).
+replicas, with no pass over the buffers to divide (dividing by a power of two is exact, so
+the result is the same bitwise).
 
 This object owns the whole data-parallel policy: buckets, padding, which collective reduces,
 which ranges this rank steps (`owned_pieces`) and counts in the gradient norm
