@@ -52,3 +52,28 @@ def test_local_functions_are_refused() -> None:
 
     with pytest.raises(ValueError, match="module-level function"):
         run_distributed(local, 1)
+
+
+def store_lookup_after_last_collective(delay_s: float) -> bytes:
+    """Rank 0 (the store's host) leaves the block at once; rank 1 reads the store later."""
+    import torch.distributed as dist
+
+    from nanotron_parallel.testing import shared_default_group
+
+    with shared_default_group():
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"rank{dist.get_rank()}", "here")
+        dist.barrier()  # the last collective
+        if dist.get_rank() == 1:
+            time.sleep(delay_s)
+            return store.get("rank0")
+    return b"host"
+
+
+def test_the_store_host_waits_for_every_rank_to_leave_the_shared_group() -> None:
+    # Before, rank 0 destroyed the group (and the store it hosts) on leaving, and rank 1's
+    # lookup failed with "Connection reset by peer".
+    assert run_distributed(store_lookup_after_last_collective, 2, 1.0, timeout=120) == [
+        b"host",
+        b"here",
+    ]

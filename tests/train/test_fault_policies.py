@@ -300,3 +300,29 @@ def test_async_save_killed_mid_write_keeps_the_previous_latest(tmp_path):
         logged.setdefault(rec["step"], []).append(rec["lm_loss"])
     assert sorted(logged) == [1, 2, 3, 4, 5, 6]
     assert all(len(set(v)) == 1 for v in logged.values()), logged  # re-run steps: same losses
+
+
+class LookupLog:
+    """A stand-in for the launcher's store that notes the step of each stop lookup."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.steps = trainer, []
+
+    def check(self, keys) -> bool:
+        self.steps.append(self.trainer.state.step)
+        return False
+
+
+def test_no_stop_lookup_after_the_last_step():
+    # The rank hosting the store may leave as soon as the last collective is done; a later
+    # lookup on another rank failed the finished run ("the launcher's store does not answer").
+    cfg = config_from_dict(config(None, 3, interval=10), "test")
+    with shared_default_group():
+        pc = ParallelContext(1, 1, 1)
+        try:
+            trainer = Trainer(cfg, pc, stream=io.StringIO())
+            trainer.fault.preemption.store = log = LookupLog(trainer)
+            trainer.train()
+        finally:
+            pc.destroy()
+    assert trainer.state.step == 3 and log.steps == [1, 2]

@@ -143,7 +143,7 @@ def shared_default_group():
 
     Each `ParallelContext` made inside reuses it and creates (and destroys) only its own
     subgroups, so a launch pays process start-up and rendezvous once. Outside torchrun it is a
-    world of one.
+    world of one. Leaving the block normally waits for every rank.
     """
     import torch.distributed as dist
 
@@ -152,10 +152,17 @@ def shared_default_group():
         dist.init_process_group("gloo", init_method="env://")
     elif owner:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    finished = False
     try:
         yield
+        finished = True
     finally:
         if owner:
+            if finished and dist.get_world_size() > 1:
+                # Rank 0 hosts the store: it leaves only once every rank is done with it (a
+                # rank's last store lookup can come after the last collective). Only on success,
+                # so that a failed rank reports at once instead of waiting for the others.
+                dist.barrier()
             dist.destroy_process_group()
 
 

@@ -314,7 +314,10 @@ class Trainer:
     def _save_if_due(self) -> tuple[bool, list]:
         """Save when due, at once when preempted (then wait for it and stop); samples when a
         save began. Returns (stop, the saves that finished)."""
-        stop = self.fault.preemption.stop_now(self.state.step)
+        # After the last step a stop changes nothing (the loop ends, the last step is saved),
+        # and the rank hosting the store may already have left: no store lookup then.
+        final = self.state.step >= self.cfg.tokens.train_steps
+        stop = not final and self.fault.preemption.stop_now(self.state.step)
         before = self.checkpoints.last_saved
         saved = self.checkpoints.after_step(force=stop)
         self._saved(saved)

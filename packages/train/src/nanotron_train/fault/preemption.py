@@ -6,7 +6,8 @@ step" in the shared store (compare-and-set: the first proposal wins), and every 
 store once per step. The proposal is posted before the proposer enters the next step's
 gradient-norm all-reduce, which spans the whole world, so no rank can finish that next step
 without the key being there to read: all ranks stop after the same step. One store lookup per
-step (a small TCP round trip to the launcher, no device synchronisation).
+step (a small TCP round trip to the launcher, no device synchronisation), except after the
+last step: a stop then changes nothing, and the store's host may already have left.
 """
 
 from __future__ import annotations
