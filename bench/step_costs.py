@@ -4,6 +4,10 @@
   buffers by their backward's matmul (tensor_parallel/weight_grad.py), against autograd's
   way (a gradient tensor, a transposing copy, a separate add). One process, the two
   alternated step by step (`fuse_grad_accumulation` toggled on the linear class).
+- The same for the two vocab-sized tables: the embedding's rows added into its buffer, and
+  the fused lm_head-and-loss's ready gradient scaled into its buffer, against autograd's
+  table-sized gradients (a zero fill, an in-place scaling, a copy or add). Alternated step
+  by step (`fuse_grad_accumulation` toggled on the two layers).
 - Kept host memory: the trainer's glibc thresholds (nanotron_train/host_memory.py) against
   glibc's defaults, in fresh processes alternated (`--processes` pairs; the machine's speed
   drifts between minutes): step time and minor page faults per step, medians over processes.
@@ -69,19 +73,29 @@ def _step(tr) -> tuple[float, int]:
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
-def measure_fusion(threads: int, warmup: int, steps: int) -> dict:
+def _fuse_linears(model, on: bool) -> None:
     from nanotron_parallel.tensor_parallel.layers import _TPLinearBase
 
+    _TPLinearBase.fuse_grad_accumulation = on
+
+
+def _fuse_tables(model, on: bool) -> None:
+    model.embedding.fuse_grad_accumulation = on
+    model.lm_head.fuse_grad_accumulation = on
+
+
+def measure_fusion(which: str, threads: int, warmup: int, steps: int) -> dict:
+    toggle = {"linears": _fuse_linears, "tables": _fuse_tables}[which]
     torch.set_num_threads(threads)
     tr, pc = _trainer(keep_memory=True)
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(warmup + 2 * steps):
         fused = i % 2 == 0
-        _TPLinearBase.fuse_grad_accumulation = fused
+        toggle(tr.state.model, fused)
         seconds, _ = _step(tr)
         if i >= warmup:
             times[fused].append(seconds)
-    _TPLinearBase.fuse_grad_accumulation = True
+    toggle(tr.state.model, True)
     tr.close()
     pc.destroy()
     return {k: statistics.median(v) for k, v in times.items()}
@@ -104,11 +118,13 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=3, help="pairs of memory processes")
     args = ap.parse_args()
     a = (args.threads, args.warmup, args.steps)
-    fusion = run_distributed(measure_fusion, 1, *a, timeout=1800)[0]
-    print(
-        f"gradient-accumulation fusion: step {1e3 * fusion[True]:.1f} ms fused, "
-        f"{1e3 * fusion[False]:.1f} ms through autograd, ratio {fusion[True] / fusion[False]:.3f}"
-    )
+    for which, name in (("linears", "the linears"), ("tables", "embedding and lm_head")):
+        fusion = run_distributed(measure_fusion, 1, which, *a, timeout=1800)[0]
+        print(
+            f"gradient-accumulation fusion, {name}: step {1e3 * fusion[True]:.1f} ms fused, "
+            f"{1e3 * fusion[False]:.1f} ms through autograd, "
+            f"ratio {fusion[True] / fusion[False]:.3f}"
+        )
     runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for i in range(2 * args.processes):  # fresh processes, alternated: kept, default, ...
         keep = i % 2 == 0

@@ -205,3 +205,97 @@ def test_fused_product_of_low_precision_factors_into_fp32():
     a32, b32 = a.float(), b.float()
     accumulate_product(nan, a32, b32, 0.5, first=True)
     assert torch.equal(nan, a32.mm(b32) * 0.5)
+
+
+def _embedding_accumulated(fuse: bool, micro_batches: int, grad_scale: float):
+    """The embedding's buffer after `micro_batches` backwards, fused or through autograd, and
+    how many table-sized gradients autograd made."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanotron_parallel.tensor_parallel import VocabParallelEmbedding
+
+    torch.manual_seed(0)
+    emb = VocabParallelEmbedding(50, 12, None, "ALL_REDUCE")
+    emb.fuse_grad_accumulation = fuse
+    ids = [torch.randint(0, 20, (16, 2)) for _ in range(micro_batches)]  # repeated ids
+    targets = [torch.randn(16, 2, 12) for _ in range(micro_batches)]
+    dp = DataParallelGrads([emb.weight], None, 1, 0, grad_scale=grad_scale)
+    dp.zero_grad()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x, t in zip(ids, targets):
+            (emb(x) * t).square().sum().backward()
+    dp.finish()
+    tables = sum(e.name == "aten::embedding_dense_backward" for e in prof.events())
+    assert emb.weight.grad is None
+    return emb.weight.main_grad.clone(), tables
+
+
+def test_fused_embedding_gradient_equals_autograd_accumulation():
+    from nanotron_parallel.testing import shared_default_group
+
+    with shared_default_group():
+        for scale in (1.0, 0.5, 1 / 3):
+            fused, n_fused = _embedding_accumulated(True, 1, scale)
+            plain, n_plain = _embedding_accumulated(False, 1, scale)
+            assert torch.equal(fused, plain) and (n_fused, n_plain) == (0, 1)
+            assert fused[20:].abs().sum() == 0 and fused[:20].abs().sum() > 0  # rows never used
+            fused, n_fused = _embedding_accumulated(True, 3, scale)
+            plain, n_plain = _embedding_accumulated(False, 3, scale)
+            assert torch.allclose(fused, plain, rtol=1e-6, atol=1e-6 * plain.abs().max().item())
+            assert (n_fused, n_plain) == (0, 3)
+
+
+def _lm_head_accumulated(fuse: bool, micro_batches: int, grad_scale: float):
+    """The fused lm_head-and-loss weight's buffer after `micro_batches` backwards (each loss
+    scaled by 1/micro_batches, as the pipeline does), fused into the buffer or through
+    autograd."""
+    from nanotron_parallel.tensor_parallel import vocab_parallel_linear_cross_entropy
+
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(40, 12) * 0.3)
+    batches = [(torch.randn(32, 12), torch.randint(0, 37, (32,))) for _ in range(micro_batches)]
+    dp = DataParallelGrads([weight], None, 1, 0, grad_scale=grad_scale)
+    dp.zero_grad()
+    for hidden, targets in batches:
+        loss, _ = vocab_parallel_linear_cross_entropy(
+            hidden, weight, targets, torch.full((32,), 1 / 32), None, 37, fuse_accumulation=fuse
+        )
+        (loss / micro_batches).backward()
+    dp.finish()
+    assert weight.grad is None
+    return weight.main_grad.clone()
+
+
+def test_fused_lm_head_gradient_equals_autograd_accumulation():
+    from nanotron_parallel.testing import shared_default_group
+
+    with shared_default_group():
+        for scale in (1.0, 0.5, 1 / 3):
+            fused = _lm_head_accumulated(True, 1, scale)
+            plain = _lm_head_accumulated(False, 1, scale)
+            assert torch.equal(fused, plain) and fused.abs().sum() > 0
+            fused = _lm_head_accumulated(True, 3, scale)
+            plain = _lm_head_accumulated(False, 3, scale)
+            assert torch.allclose(fused, plain, rtol=1e-6, atol=1e-6 * plain.abs().max().item())
+
+
+def test_tied_embedding_and_lm_head_keep_autograd():
+    from nanotron_models.config import LlamaConfig
+    from nanotron_models.model import LlamaStage
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.testing import shared_default_group
+
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=2, vocab_size=32)  # fmt: skip
+    with shared_default_group():
+        pc = ParallelContext(1, 1, 1)
+        try:
+            for tied in (False, True):
+                cfg = LlamaConfig(**small, tie_word_embeddings=tied)
+                blocks = ["embedding", "decoder.0", "final_norm", "lm_head", "loss"]
+                stage = LlamaStage(cfg, pc, blocks, "ALL_REDUCE", "sdpa", None, torch.float32)
+                # tied: one weight, two uses, whose gradients autograd sums
+                assert stage.embedding.fuse_grad_accumulation is not tied
+                assert stage.lm_head.fuse_grad_accumulation is not tied
+        finally:
+            pc.destroy()

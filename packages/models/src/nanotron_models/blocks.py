@@ -313,7 +313,7 @@ class DecoderLayer(nn.Module):
 class LMHead(ColumnParallelLinear):
     """Hidden -> this rank's logit shard [s, b, vocab_padded / tp]."""
 
-    fuse_grad_accumulation = False  # its weight may be the embedding's (tied): two uses
+    fuse_grad_accumulation = False  # on only where the model knows it is not tied: two uses
 
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)
@@ -360,6 +360,7 @@ class Loss(nn.Module):
             self.group,
             self.vocab_size,
             self.z_loss_coefficient,
+            fuse_accumulation=head.fuse_grad_accumulation,
         )
         if self.z_loss_coefficient:
             self.z_loss_sum = z_mean if self.z_loss_sum is None else self.z_loss_sum + z_mean

@@ -64,6 +64,8 @@ class LlamaStage(nn.Module):
         kw = {"device": device, "dtype": dtype}
         if "embedding" in block_names:
             self.embedding = Embedding(vpad, c.hidden_size, group, tp_mode, **kw)
+            # a weight tied to the lm_head gets two gradients: autograd sums them
+            self.embedding.fuse_grad_accumulation = not c.tie_word_embeddings
         layers = [int(n.split(".")[1]) for n in block_names if n.startswith("decoder.")]
         moe = moe_layers_of(c)  # these layers' MLP is a mixture of experts (moe/)
         self.decoder = nn.ModuleDict(
@@ -87,6 +89,7 @@ class LlamaStage(nn.Module):
             self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, group, sp, fused=fused, **kw)
         if "lm_head" in block_names:
             self.lm_head = LMHead(c.hidden_size, vpad, group, tp_mode, **kw)
+            self.lm_head.fuse_grad_accumulation = not c.tie_word_embeddings
         if "loss" in block_names:
             self.loss = Loss(c.vocab_size, group, c.z_loss_weight)
         self.recompute = False

@@ -7,7 +7,9 @@ nothing is communicated until the last micro-batch. The step's first gradient of
 written rather than added, so the buffers need no clearing pass between steps. A layer whose
 weight gradient is a matmul can skip autograd's gradient tensor altogether:
 `param.accumulate_grad_product(a, b)` runs `a @ b` straight into the buffer (gradient-
-accumulation fusion, accumulate.py), and counts as the parameter's arrival. `arm()` (the
+accumulation fusion, accumulate.py); an embedding's `param.accumulate_grad_rows(ids, rows)`
+adds its rows there, and the fused lm_head-and-loss's `param.accumulate_grad_scaled(grad,
+factor)` its ready gradient times the backward's factor. Each counts as the parameter's arrival. `arm()` (the
 pipeline's `on_last_backward`) makes the hooks count arrivals: when every gradient of a bucket
 has arrived in the last backward, that bucket's asynchronous all-reduce (or, for ZeRO,
 reduce-scatter: see zero.py) starts while the backward goes on. `finish()` launches whatever
@@ -34,7 +36,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from nanotron_parallel.data_parallel.accumulate import accumulate, accumulate_product
+from nanotron_parallel.data_parallel.accumulate import (
+    accumulate,
+    accumulate_product,
+    accumulate_rows,
+    accumulate_scaled,
+)
 
 _NORM_PIECE = 1 << 14  # elements per norm row on the CPU (see grad_norm_views)
 
@@ -136,9 +143,11 @@ class DataParallelGrads:
         self._bucket_of: dict[int, Bucket] = {}
         for group, full in self.bucket_groups(unique, bucket_cap_mb, full_reduce or set()):
             self._add_bucket(group, grad_dtype, self.pad_to(), full)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_autograd) for p in unique]
         for p in unique:  # what a fusing layer's backward calls instead (accumulate.py)
             p.accumulate_grad_product = functools.partial(self._on_grad_product, p)
+            p.accumulate_grad_rows = functools.partial(self._on_grad_rows, p)
+            p.accumulate_grad_scaled = functools.partial(self._on_grad_scaled, p)
 
     def bucket_groups(
         self, params: list[nn.Parameter], bucket_cap_mb: float, full_reduce: set[int]
@@ -191,16 +200,23 @@ class DataParallelGrads:
         """Each bucket's buffer is padded to a multiple of this (ZeRO: dp equal chunks)."""
         return 1
 
-    def _on_grad(self, param: nn.Parameter, product: tuple | None = None) -> None:
+    def _on_autograd(self, param: nn.Parameter) -> None:
+        # None: a use whose layer accumulated the gradient itself (an embedding keeps its
+        # autograd edge to the weight, as its only differentiable input, and returns no
+        # gradient there), so there is nothing more to add.
+        if param.grad is not None:
+            self._on_grad(param)
+
+    def _on_grad(self, param: nn.Parameter, fused: Callable | None = None) -> None:
         """A micro-batch's gradient of `param` arrived: `param.grad`, or, from a fusing layer,
-        the two factors of its matmul (`product`)."""
+        `fused(main_grad, scale, first)`, which adds it to the buffer itself."""
         first = id(param) not in self._written
         self._written.add(id(param))
-        if product is None:
+        if fused is None:
             accumulate(param.main_grad, param.grad, self._grad_scale, first)
             param.grad = None
         else:
-            accumulate_product(param.main_grad, *product, self._grad_scale, first)
+            fused(param.main_grad, self._grad_scale, first)
         if not self.armed:
             return
         bucket = self._bucket_of[id(param)]
@@ -211,7 +227,19 @@ class DataParallelGrads:
             self._launch(bucket)
 
     def _on_grad_product(self, param: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
-        self._on_grad(param, (a, b))
+        self._on_grad(
+            param, lambda main, scale, first: accumulate_product(main, a, b, scale, first)
+        )
+
+    def _on_grad_rows(self, param: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._on_grad(
+            param, lambda main, scale, first: accumulate_rows(main, ids, rows, scale, first)
+        )
+
+    def _on_grad_scaled(self, param: nn.Parameter, grad: torch.Tensor, factor: torch.Tensor):
+        self._on_grad(
+            param, lambda main, scale, first: accumulate_scaled(main, grad, factor, scale, first)
+        )
 
     def _clear_unwritten(self, bucket: Bucket) -> None:
         """Zero what no gradient reached this step (a parameter no micro-batch used)."""
@@ -369,3 +397,5 @@ class DataParallelGrads:
         self._hooks = []
         for p in self.params:
             p.__dict__.pop("accumulate_grad_product", None)
+            p.__dict__.pop("accumulate_grad_rows", None)
+            p.__dict__.pop("accumulate_grad_scaled", None)

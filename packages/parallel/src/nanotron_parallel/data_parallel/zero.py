@@ -18,6 +18,8 @@ docstring); ZeRO-3 is zero3.py. `build_data_parallel(zero_stage, ...)` (this pac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -114,11 +116,11 @@ class ZeroTwoGrads(ZeroOneGrads):
         bucket.grad.zero_()
         bucket.resident = True
 
-    def _on_grad(self, param: nn.Parameter, product: tuple | None = None) -> None:
+    def _on_grad(self, param: nn.Parameter, fused: Callable | None = None) -> None:
         bucket = self._bucket_of[id(param)]
         if not bucket.resident:
             self._materialise(bucket)
-        super()._on_grad(param, product)
+        super()._on_grad(param, fused)
 
     def _launch_collective(self, bucket: Bucket) -> None:
         if not bucket.resident:  # no gradient reached it this step (a stage that saw no data)

@@ -30,7 +30,7 @@ gathers everything for checkpoints and checks and writes any change back to the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -195,8 +195,8 @@ class ZeroThreeGrads(ZeroTwoGrads):
 
         return hook
 
-    def _on_grad(self, param: nn.Parameter, product: tuple | None = None) -> None:
-        super()._on_grad(param, product)
+    def _on_grad(self, param: nn.Parameter, fused: Callable | None = None) -> None:
+        super()._on_grad(param, fused)
         bucket = self._bucket_of[id(param)]
         bucket.arrived += 1
         if bucket.arrived == len(bucket.params) and bucket.in_backward:

@@ -318,6 +318,10 @@ class VocabParallelEmbedding(nn.Module):
     sequence in REDUCE_SCATTER mode (output ``[seq / tp, batch, dim]``).
     """
 
+    # The weight's gradient goes straight into its data-parallel buffer (split_embedding);
+    # off where the weight has another use in the graph (tied to an lm_head).
+    fuse_grad_accumulation: bool = True
+
     def __init__(
         self,
         num_embeddings: int,
@@ -369,7 +373,8 @@ class VocabParallelEmbedding(nn.Module):
         # range would embed as zeros.
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = split_embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = split_embedding(local_ids, self.weight, self.fuse_grad_accumulation)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.mode is TensorParallelLinearMode.ALL_REDUCE:
             return reduce_from_tp(out, self.group)
         return reduce_scatter_from_tp(out, self.group, 0, self.tensor_collectives)

@@ -34,7 +34,9 @@ CHUNK_LOGITS = 1 << 24
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, token_weights, group, vocab_size, z_coef, rows, grad):
+    def forward(
+        ctx, hidden, weight, targets, token_weights, group, vocab_size, z_coef, rows, grad, fuse
+    ):
         rank = dist.get_rank(group)
         shard = weight.shape[0]
         start = rank * shard
@@ -86,6 +88,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.mark_non_differentiable(z_sum)
         ctx.grads = (grad_hidden, grad_weight, weight.dtype) if grad else None
         ctx.weight = weight  # the parameter itself, for a deferred W (weight_grad.defer)
+        ctx.fuse = fuse
         return loss, z_sum
 
     @staticmethod
@@ -98,12 +101,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, dtype = ctx.grads
         ctx.grads = None  # free them now (the pipeline keeps the graph of other micro-batches)
         grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        none = (None,) * 9
         # The weight gradient was computed in the forward (the fusion's point): a deferred W
-        # (weight_grad.py) only scales and accumulates it.
+        # (weight_grad.py) only scales and accumulates it; with `fuse`, straight into the
+        # data-parallel buffer (its autograd edge then gets no gradient).
+        if ctx.fuse:
+            weight = ctx.weight
+
+            def into_buffer():
+                weight.accumulate_grad_scaled(grad_weight, grad_loss)
+                return ()
+
+            if not defer((), into_buffer):
+                into_buffer()
+            return grad_hidden, *none
         if defer((ctx.weight,), lambda: (grad_weight.mul_(grad_loss).to(dtype),)):
-            return grad_hidden, None, None, None, None, None, None, None, None
+            return grad_hidden, *none
         grad_weight = grad_weight.mul_(grad_loss).to(dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, *none[1:]
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -115,6 +130,7 @@ def vocab_parallel_linear_cross_entropy(
     vocab_size: int | None = None,
     z_coefficient: float = 0.0,
     chunk_rows: int | None = None,
+    fuse_accumulation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``sum_i w_i (ce_i + z_i)``, ``sum_i w_i z_i`` detached) without the full logits.
 
@@ -122,6 +138,8 @@ def vocab_parallel_linear_cross_entropy(
     ``[vocab_padded / tp, h]``; ``targets``: ``[tokens]`` global ids; ``token_weights``:
     ``[tokens]`` fp32 (0 = not in the loss). ``vocab_size``: columns at or past it are padding.
     ``chunk_rows``: tokens per chunk (default: ``CHUNK_LOGITS // (V/tp)``).
+    ``fuse_accumulation``: the weight has no other use in the graph (not tied), so a
+    data-parallel buffer behind it (``accumulate_grad_scaled``) takes its gradient directly.
     Gradients flow to ``hidden`` and ``weight`` only. Targets are not range-checked (a host
     sync): the data is checked where it is read.
     """
@@ -146,6 +164,13 @@ def vocab_parallel_linear_cross_entropy(
     if z_coefficient < 0:
         raise ParallelConfigError(f"z_coefficient must be >= 0, got {z_coefficient}")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    fuse = (
+        fuse_accumulation
+        and grad
+        and weight.requires_grad
+        and hasattr(weight, "accumulate_grad_scaled")
+        and not torch.compiler.is_compiling()
+    )
     return _LinearCrossEntropy.apply(
         hidden,
         weight,
@@ -156,4 +181,5 @@ def vocab_parallel_linear_cross_entropy(
         float(z_coefficient),
         int(chunk_rows),
         grad,
+        fuse,
     )

@@ -231,8 +231,48 @@ class _SplitEmbedding(torch.autograd.Function):
         return None, compute()[0]
 
 
-def split_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding, whose (weight) gradient can be deferred while `weight_grad_split()` is on."""
-    if not _STATE.enabled or not torch.is_grad_enabled():
+class _FusedAccumulationEmbedding(torch.autograd.Function):
+    """F.embedding whose weight gradient goes row by row into the data-parallel gradient
+    buffer (`accumulate_grad_rows`) instead of through a table-sized autograd gradient; under
+    a zero-bubble B it is deferred to the W. The weight stays an input (the only
+    differentiable one: without it autograd would record no backward) and gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.param = weight
         return F.embedding(ids, weight)
-    return _SplitEmbedding.apply(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        param = ctx.param
+
+        def compute():
+            param.accumulate_grad_rows(ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]))
+            return ()
+
+        if not defer((), compute):
+            compute()
+        return None, None
+
+
+def split_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, fuse_accumulation: bool = False
+) -> torch.Tensor:
+    """F.embedding, whose (weight) gradient can be deferred while `weight_grad_split()` is on.
+    With `fuse_accumulation` (the weight has no other use in the graph, as for
+    `split_linear`) and a data-parallel buffer behind the weight, its gradient is added there
+    by the backward itself."""
+    if not torch.is_grad_enabled():
+        return F.embedding(ids, weight)
+    if (
+        fuse_accumulation
+        and weight.requires_grad
+        and hasattr(weight, "accumulate_grad_rows")
+        and not torch.compiler.is_compiling()
+    ):
+        return _FusedAccumulationEmbedding.apply(ids, weight)
+    if _STATE.enabled:
+        return _SplitEmbedding.apply(ids, weight)
+    return F.embedding(ids, weight)
