@@ -9,13 +9,13 @@ weight gradient is a matmul can skip autograd's gradient tensor altogether:
 `param.accumulate_grad_product(a, b)` runs `a @ b` straight into the buffer (gradient-
 accumulation fusion, accumulate.py); an embedding's `param.accumulate_grad_rows(ids, rows)`
 adds its rows there, and the fused lm_head-and-loss's `param.accumulate_grad_scaled(grad,
-factor)` its ready gradient times the backward's factor. Each counts as the parameter's arrival. `arm()` (the
-pipeline's `on_last_backward`) makes the hooks count arrivals: when every gradient of a bucket
-has arrived in the last backward, that bucket's asynchronous all-reduce (or, for ZeRO,
-reduce-scatter: see zero.py) starts while the backward goes on. `finish()` launches whatever
-is left and waits; the sum of the pre-divided gradients is the mean over data-parallel
-replicas, with no pass over the buffers to divide (dividing by a power of two is exact, so
-the result is the same bitwise).
+factor)` its ready gradient times the backward's factor. Each counts as the parameter's
+arrival. `arm()` (the pipeline's `on_last_backward`) makes the hooks count arrivals: when every
+gradient of a bucket has arrived in the last backward, that bucket's asynchronous all-reduce
+(or, for ZeRO, reduce-scatter: see zero.py) starts while the backward goes on. `finish()`
+launches whatever is left and waits; the sum of the pre-divided gradients is the mean over
+data-parallel replicas, with no pass over the buffers to divide (dividing by a power of two is
+exact, so the result is the same bitwise).
 
 This object owns the whole data-parallel policy: buckets, padding, which collective reduces,
 which ranges this rank steps (`owned_pieces`) and counts in the gradient norm
