@@ -45,6 +45,14 @@ from nanotron_parallel.data_parallel.accumulate import (
 
 _NORM_PIECE = 1 << 14  # elements per norm row on the CPU (see grad_norm_views)
 
+# What a fusing layer's backward calls on a parameter instead of returning its gradient, and
+# how each adds its operands into the buffer: `write(main_grad, *operands, scale, first)`.
+FUSED_ACCUMULATIONS = {
+    "accumulate_grad_product": accumulate_product,  # a linear: the matmul's two factors
+    "accumulate_grad_rows": accumulate_rows,  # an embedding: ids and their gradient rows
+    "accumulate_grad_scaled": accumulate_scaled,  # a ready gradient and the backward's factor
+}
+
 
 def _norm_rows(view: torch.Tensor) -> list[torch.Tensor]:
     """A flat view as [k, _NORM_PIECE] rows, and its shorter tail as a 1-D view."""
@@ -144,10 +152,9 @@ class DataParallelGrads:
         for group, full in self.bucket_groups(unique, bucket_cap_mb, full_reduce or set()):
             self._add_bucket(group, grad_dtype, self.pad_to(), full)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_autograd) for p in unique]
-        for p in unique:  # what a fusing layer's backward calls instead (accumulate.py)
-            p.accumulate_grad_product = functools.partial(self._on_grad_product, p)
-            p.accumulate_grad_rows = functools.partial(self._on_grad_rows, p)
-            p.accumulate_grad_scaled = functools.partial(self._on_grad_scaled, p)
+        for p in unique:
+            for name, write in FUSED_ACCUMULATIONS.items():
+                setattr(p, name, functools.partial(self._on_grad, p, write))
 
     def bucket_groups(
         self, params: list[nn.Parameter], bucket_cap_mb: float, full_reduce: set[int]
@@ -207,16 +214,16 @@ class DataParallelGrads:
         if param.grad is not None:
             self._on_grad(param)
 
-    def _on_grad(self, param: nn.Parameter, fused: Callable | None = None) -> None:
+    def _on_grad(self, param: nn.Parameter, write: Callable | None = None, *operands) -> None:
         """A micro-batch's gradient of `param` arrived: `param.grad`, or, from a fusing layer,
-        `fused(main_grad, scale, first)`, which adds it to the buffer itself."""
+        `operands` that `write` (one of FUSED_ACCUMULATIONS) adds into the buffer itself."""
         first = id(param) not in self._written
         self._written.add(id(param))
-        if fused is None:
+        if write is None:
             accumulate(param.main_grad, param.grad, self._grad_scale, first)
             param.grad = None
         else:
-            fused(param.main_grad, self._grad_scale, first)
+            write(param.main_grad, *operands, self._grad_scale, first)
         if not self.armed:
             return
         bucket = self._bucket_of[id(param)]
@@ -225,21 +232,6 @@ class DataParallelGrads:
         bucket.seen.add(id(param))
         if len(bucket.seen) == len(bucket.params):
             self._launch(bucket)
-
-    def _on_grad_product(self, param: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
-        self._on_grad(
-            param, lambda main, scale, first: accumulate_product(main, a, b, scale, first)
-        )
-
-    def _on_grad_rows(self, param: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self._on_grad(
-            param, lambda main, scale, first: accumulate_rows(main, ids, rows, scale, first)
-        )
-
-    def _on_grad_scaled(self, param: nn.Parameter, grad: torch.Tensor, factor: torch.Tensor):
-        self._on_grad(
-            param, lambda main, scale, first: accumulate_scaled(main, grad, factor, scale, first)
-        )
 
     def _clear_unwritten(self, bucket: Bucket) -> None:
         """Zero what no gradient reached this step (a parameter no micro-batch used)."""
@@ -396,6 +388,5 @@ class DataParallelGrads:
             h.remove()
         self._hooks = []
         for p in self.params:
-            p.__dict__.pop("accumulate_grad_product", None)
-            p.__dict__.pop("accumulate_grad_rows", None)
-            p.__dict__.pop("accumulate_grad_scaled", None)
+            for name in FUSED_ACCUMULATIONS:
+                p.__dict__.pop(name, None)

@@ -116,11 +116,11 @@ class ZeroTwoGrads(ZeroOneGrads):
         bucket.grad.zero_()
         bucket.resident = True
 
-    def _on_grad(self, param: nn.Parameter, fused: Callable | None = None) -> None:
+    def _on_grad(self, param: nn.Parameter, write: Callable | None = None, *operands) -> None:
         bucket = self._bucket_of[id(param)]
         if not bucket.resident:
             self._materialise(bucket)
-        super()._on_grad(param, fused)
+        super()._on_grad(param, write, *operands)
 
     def _launch_collective(self, bucket: Bucket) -> None:
         if not bucket.resident:  # no gradient reached it this step (a stage that saw no data)

@@ -195,8 +195,8 @@ class ZeroThreeGrads(ZeroTwoGrads):
 
         return hook
 
-    def _on_grad(self, param: nn.Parameter, fused: Callable | None = None) -> None:
-        super()._on_grad(param, fused)
+    def _on_grad(self, param: nn.Parameter, write: Callable | None = None, *operands) -> None:
+        super()._on_grad(param, write, *operands)
         bucket = self._bucket_of[id(param)]
         bucket.arrived += 1
         if bucket.arrived == len(bucket.params) and bucket.in_backward:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nanotron_parallel.grid import ParallelConfigError
 from nanotron_parallel.tensor_parallel.functional import all_reduce_
-from nanotron_parallel.tensor_parallel.weight_grad import defer
+from nanotron_parallel.tensor_parallel.weight_grad import defer, fuses_accumulation
 
 # Logit elements per chunk (64 MiB in fp32): rows = this // (V/tp). Big enough that the chunk's
 # matmuls run at full speed (on the CPU one chunk of 1024 x 4096 beat 4 chunks of 256 by 5%),
@@ -164,13 +164,7 @@ def vocab_parallel_linear_cross_entropy(
     if z_coefficient < 0:
         raise ParallelConfigError(f"z_coefficient must be >= 0, got {z_coefficient}")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    fuse = (
-        fuse_accumulation
-        and grad
-        and weight.requires_grad
-        and hasattr(weight, "accumulate_grad_scaled")
-        and not torch.compiler.is_compiling()
-    )
+    fuse = grad and fuses_accumulation(weight, fuse_accumulation, "accumulate_grad_scaled")
     return _LinearCrossEntropy.apply(
         hidden,
         weight,

@@ -130,6 +130,18 @@ def linear_weight_grads(
     return grad_w, (_flat(grad_y).sum(0) if has_bias else None)
 
 
+def fuses_accumulation(weight: torch.Tensor, requested: bool, hook: str) -> bool:
+    """Whether a layer asked to fuse (`requested`: its weight has no other use in the graph)
+    can: a data-parallel buffer sits behind the weight (`hook`, one of the `accumulate_grad_*`
+    methods it sets) and no compiled region is being traced (those keep autograd's ops)."""
+    return (
+        requested
+        and weight.requires_grad
+        and hasattr(weight, hook)
+        and not torch.compiler.is_compiling()
+    )
+
+
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -193,12 +205,7 @@ def split_linear(
     itself. Compiled regions keep F.linear."""
     if not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    if (
-        fuse_accumulation
-        and weight.requires_grad
-        and hasattr(weight, "accumulate_grad_product")
-        and not torch.compiler.is_compiling()
-    ):
+    if fuses_accumulation(weight, fuse_accumulation, "accumulate_grad_product"):
         # No autograd edge to the parameter (detached, and boxed: a tensor argument would be
         # one): its gradient never passes through autograd.
         return _FusedAccumulationLinear.apply(x, weight.detach(), (weight,), bias)
@@ -266,12 +273,7 @@ def split_embedding(
     by the backward itself."""
     if not torch.is_grad_enabled():
         return F.embedding(ids, weight)
-    if (
-        fuse_accumulation
-        and weight.requires_grad
-        and hasattr(weight, "accumulate_grad_rows")
-        and not torch.compiler.is_compiling()
-    ):
+    if fuses_accumulation(weight, fuse_accumulation, "accumulate_grad_rows"):
         return _FusedAccumulationEmbedding.apply(ids, weight)
     if _STATE.enabled:
         return _SplitEmbedding.apply(ids, weight)
