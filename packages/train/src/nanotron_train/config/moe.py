@@ -2,8 +2,7 @@
 
 ep splits the data-parallel ranks (nanotron_parallel.grid: dp = edp x ep), so it must divide
 dp and is not a factor of the world size; each ep rank holds num_experts / ep experts of every
-MoE layer, so it must divide num_experts; it needs a model with experts; and the checkpoint
-samples, decoded by dp rank 0 alone, cannot reach the other ep ranks' experts. checks.py runs
+MoE layer, so it must divide num_experts; and it needs a model with experts. checks.py runs
 these rows after its own (the model's `moe_config` is checked there first).
 """
 
@@ -52,15 +51,6 @@ MOE_CHECKS: tuple[Check, ...] = (
         lambda c: (
             f"{_ep(c)} must divide parallelism.dp={c.parallelism.dp}: expert-parallel ranks "
             "are data-parallel ranks (each sees its own tokens), so ep lives inside dp"
-        ),
-    ),
-    Check(
-        "logging.sample_prompts",
-        lambda c: _ep(c) == 1 or not c.logging.sample_prompts,
-        lambda c: (
-            f"samples decode on dp rank 0 alone, but with parallelism.expert_parallel_size="
-            f"{_ep(c)} its experts live on {_ep(c)} dp ranks: set no prompts (decode the "
-            "checkpoint with python -m nanotron_train.generate instead)"
         ),
     ),
 )

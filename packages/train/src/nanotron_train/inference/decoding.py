@@ -40,10 +40,15 @@ class GenerationResult:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def _agree_over_tp(tokens: torch.Tensor, pc) -> torch.Tensor:
-    """Every tp rank takes tp rank 0's tokens (sampling is seeded alike; this makes it certain)."""
+def _agree(tokens: torch.Tensor, pc) -> torch.Tensor:
+    """Every tp rank takes tp rank 0's tokens (sampling is seeded alike; this makes it certain),
+    then every ep rank ep rank 0's: under expert parallelism the ranks of one ep group decode
+    the same batch together (each MoE layer dispatches over them), and an expert's grouped
+    matmul over both ranks' rows need not round each row alike."""
     if pc.tp_size > 1:
         dist.broadcast(tokens, src=pc.tp_ranks[0], group=pc.tp_group)
+    if pc.ep_size > 1:
+        dist.broadcast(tokens, src=pc.ep_ranks[0], group=pc.ep_group)
     return tokens
 
 
@@ -129,8 +134,9 @@ def generate(
     pad_token_id: int = 0,
 ) -> GenerationResult:
     """Continue every prompt (token ids) in one batch; collective over the tp group (and the
-    pp group when `stage` is one pipeline stage or StageChunks: every rank of the replica
-    calls it with the same arguments and gets the same result).
+    pp group when `stage` is one pipeline stage or StageChunks, and the ep group when its
+    experts are split over one: every rank of the replica calls it with the same arguments and
+    gets the same result).
 
     Stops a row at EOS (kept in its output) and the batch when every row stopped or after
     `max_new_tokens`. Greedy when `sampling` is None or its temperature is 0.
@@ -147,7 +153,7 @@ def generate(
     forward_step = _forward_step(stage)
 
     def pick(last_logits: torch.Tensor) -> torch.Tensor:  # [b, vocab] -> [b] token ids
-        return _agree_over_tp(next_tokens(last_logits, sampling, generator), stage.pc)
+        return _agree(next_tokens(last_logits, sampling, generator), stage.pc)
 
     new, start = ids, 0
     _sync(device)

@@ -2,8 +2,10 @@
 
 When `logging.sample_prompts` is set, every checkpoint the ranks of dp rank 0 (its tp and pp
 groups; with pp > 1 the steps are pipelined, pipelined_decoding.py; every cp rank decodes the
-whole sequences alike, context parallel switched off meanwhile) decode the prompts in one
-batch with `decoding.generate` (nanotron_train/inference/decoding.py), and rank 0 logs them and sends a
+whole sequences alike, context parallel switched off meanwhile; under expert parallelism the
+whole ep group of dp rank 0, dp ranks 0 to ep - 1, since each holds only its experts and every
+MoE layer dispatches over all of them: they decode the same batch together) decode the prompts
+in one batch with `decoding.generate` (nanotron_train/inference/decoding.py), and rank 0 logs them and sends a
 `samples` message. Training is unchanged by it, bitwise: no gradient is made (no_grad), no RNG state
 moves (greedy decoding draws nothing; `fork_rng` restores the generators anyway), the
 parameters are only read, and the tp mode and context parallel the model trains with are
@@ -93,12 +95,13 @@ class SampleMaker:
                 chunk.set_context_parallel(group, size, pc.tensor_collectives)
 
     def make(self, step: int, logger) -> list[dict] | None:
-        """Called on every rank. Decode on the ranks of dp rank 0 (collective over their tp
-        and pp groups); rank 0 logs and sends the samples. Returns them on rank 0. Under
-        ZeRO-3 every rank first takes part in gathering the parameters (over dp)."""
+        """Called on every rank. Decode on the ranks of dp rank 0's ep group (dp rank 0 alone
+        without expert parallelism; collective over their tp, pp and ep groups); rank 0 logs
+        and sends the samples. Returns them on rank 0. Under ZeRO-3 every rank first takes
+        part in gathering the parameters (over dp)."""
         full = self.grads.full_parameters() if self.grads is not None else nullcontext()
         with full:
-            if self.pc.dp_rank != 0:
+            if self.pc.edp_rank != 0:  # dp rank // ep: the first ep group decodes
                 return None
             return self._make(step, logger)
 
