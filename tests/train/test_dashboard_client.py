@@ -14,11 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "dashboard"))
 from dashboard_helpers import free_port, start_dashboard  # noqa: E402
 
-from nanotron_train.reporting.dashboard_client import (  # noqa: E402
-    DashboardClient,
-    client_from_config,
-    ingest_url,
-)
+from nanotron_train.reporting.dashboard_client import DashboardClient, ingest_url  # noqa: E402
+from nanotron_train.reporting.dashboard_sink import client_from_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +171,54 @@ def test_kill_and_restart_dashboard_mid_stream(tmp_path, caplog):
         assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
     finally:
         dash2.stop()
+
+
+def loads(step: int) -> dict[str, list[int]]:
+    """A record's expert loads (2 MoE layers of 4 experts), different at every step."""
+    return {str(layer): [step, 2 * step + layer, 3, 100 - step] for layer in (0, 1)}
+
+
+def stored_loads(dash, run_id: str) -> dict[int, dict[str, list[int]]]:
+    """Every stored step's loads per layer, read back through the heatmap's endpoint."""
+    out: dict[int, dict[str, list[int]]] = {}
+    for layer in (0, 1):
+        got = dash.get(f"/api/runs/{run_id}/moe_load?layer={layer}&max_steps=5000")
+        for step, counts in zip(got["steps"], got["counts"]):
+            out.setdefault(step, {})[str(layer)] = counts
+    return out
+
+
+@pytest.mark.parametrize("with_file", [True, False], ids=["metrics-file", "in-memory"])
+def test_moe_load_is_replayed_after_an_outage(tmp_path, with_file):
+    """The dashboard is killed mid-run and restarted while the logging rank's sinks log each
+    step's record with its expert loads: every step's loads are stored after it, as the
+    scalars are (replayed from the metrics file, or from memory without one), whether their
+    queued message was dropped (the bounded telemetry queue) or lost in flight."""
+    from nanotron_train.reporting.metrics import MetricsLogger, RunInfo
+
+    db, port = tmp_path / "runs.db", free_port()
+    dash = start_dashboard(db, port=port)
+    info = RunInfo("tests", "moe", {}, 2, {"dp": 2, "tp": 1, "pp": 1}, command=CMD)
+    mf = str(tmp_path / "metrics.jsonl") if with_file else None
+    logger = MetricsLogger(mf, stream=None, dashboard_url=dash.url, run=info, run_id="moe-1")
+    client = logger._dashboard
+    client.queue_size, client.heartbeat_s = 50, 0.3
+    client.telemetry_queue = 8  # fewer than the outage's steps: queued loads are dropped
+    for step in range(1, 81):
+        logger.log({**record(step), "moe_load": loads(step)})
+        if step == 20:
+            dash.kill()  # SIGKILL: whatever the writer had queued is gone
+        if step == 50:
+            dash = start_dashboard(db, port=port)
+        time.sleep(0.005)
+    try:
+        assert wait_for(lambda: dash.get("/api/runs/moe-1")["step"] == 80, timeout=30)
+        logger.close()
+        assert wait_for(lambda: dash.get("/api/runs/moe-1")["status"] == "finished")
+        assert client.dropped_telemetry > 0  # the outage did drop queued loads
+        assert stored_loads(dash, "moe-1") == {step: loads(step) for step in range(1, 81)}
+    finally:
+        dash.stop()
 
 
 def test_unreachable_dashboard_never_slows_training(tmp_path, caplog):

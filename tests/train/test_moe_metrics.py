@@ -13,8 +13,9 @@ import pytest
 import torch
 import yaml
 
+from nanotron_train.reporting.dashboard_spool import moe_load_message
 from nanotron_train.reporting.metrics import MetricsLogger
-from nanotron_train.reporting.moe_metrics import MoEMetrics, imbalance_of, moe_load_message
+from nanotron_train.reporting.moe_metrics import MoEMetrics, imbalance_of
 from nanotron_train.reporting.step_line import format_line
 
 
@@ -96,16 +97,15 @@ def test_step_line_and_sinks(tmp_path):
     assert "moe_z_loss" not in line
     sent = []
     logger = MetricsLogger(str(tmp_path / "m.jsonl"), stream=None)
-    logger._dashboard = SimpleNamespace(
-        metrics=lambda step, r: sent.append(("metrics", step)),
-        telemetry=lambda msg: sent.append(("telemetry", msg)),
-    )
+    logger._dashboard = SimpleNamespace(metrics=lambda step, r: sent.append((step, r)))
     logger.log(rec)
     logger._dashboard = None
     logger.close()
     assert json.loads((tmp_path / "m.jsonl").read_text())["moe_load"] == {"1": [3, 1]}
-    msg = sent[1][1]
-    assert sent[0] == ("metrics", 3) and msg["type"] == "moe_load" and msg["step"] == 3
+    # the client gets the loads with the record (it sends them, and replays them with it)
+    assert sent == [(3, rec)]
+    msg = moe_load_message(3, 0.0, rec["moe_load"])
+    assert msg["type"] == "moe_load" and msg["step"] == 3
     assert msg["layers"] == [{"layer": 1, "counts": [3, 1]}]
     # what the dashboard accepts (its own model of the message)
     from nanotron_dashboard.messages import validate

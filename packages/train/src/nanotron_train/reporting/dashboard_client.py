@@ -8,7 +8,9 @@ Messages go into an in-memory queue; a daemon thread sends them over the dashboa
 websocket (`/ws/ingest`). If the dashboard is down, slow, restarted or the URL is wrong, the
 client logs one warning and keeps retrying; metrics that did not fit in the queue or were
 lost in flight are replayed on reconnect from the metrics file (JSON lines, one record per
-logged step), which the dashboard stores idempotently (a (run, metric, step) key).
+logged step), which the dashboard stores idempotently (a (run, metric, step) key). A record's
+expert loads (`moe_load`) travel as telemetry, each sent before its step's metrics, and are
+replayed with their record: a dropped one triggers the replay, a stored step has its loads.
 No torch import: this module runs on any rank's CPU side.
 """
 
@@ -17,22 +19,28 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import threading
 import time
 from collections import deque
 from typing import Any
 
-from nanotron_train.reporting.dashboard_spool import jsonable, numeric_values, records_after
+from nanotron_train.reporting.dashboard_spool import (
+    LOAD_KEY,
+    jsonable,
+    moe_load_message,
+    records_after,
+    spooled,
+)
 from nanotron_train.reporting.dashboard_transport import Refusals, ingest_url, open_ingest
 
 log = logging.getLogger("nanotron_train.dashboard")
-__all__ = ["DashboardClient", "client_from_config", "ingest_url", "numeric_values"]
+__all__ = ["DashboardClient", "ingest_url"]
 
 _CONTROL = "control"
 _METRICS = "metrics"
 _TELEMETRY = "telemetry"  # rank_stats, pipeline_timeline: the oldest dropped past a bound
+_LOADS = "loads"  # moe_load: bounded as telemetry, but replayed from the spool once dropped
 
 
 class DashboardClient:
@@ -67,6 +75,8 @@ class DashboardClient:
         self._history: deque[dict[str, Any]] | None = (
             None if metrics_file else deque(maxlen=max(queue_size, 1000))
         )
+        self._history_loads: deque[dict[str, Any]] = deque()  # the history's records with loads
+        self.history_loads = 256  # of which the newest keep them: bounded memory
         self._start_msg: dict[str, Any] | None = None
         self._max_sent = -1
         self._closing = False
@@ -115,13 +125,18 @@ class DashboardClient:
             self._cv.notify()
 
     def metrics(self, step: int, values: dict) -> None:
-        rec = {"step": int(step), **numeric_values(values)}
+        """A logged step's record: its scalars, and its expert loads (`moe_load`) if any."""
+        rec = spooled(step, values)
+        loads = rec.pop(LOAD_KEY, None)  # queued apart: bounded as telemetry
         with self._cv:
             if self._history is not None:
-                self._history.append(rec)
+                self._remember(rec, loads)
             if self._n_metrics >= self.queue_size:
                 self._overflow = True  # the file (or history) has it; replayed later
                 return
+            if loads is not None:
+                msg = moe_load_message(rec["step"], time.time(), loads)
+                self._bounded(_LOADS, {**msg, "run_id": self.run_id})
             self._items.append((_METRICS, rec))
             self._n_metrics += 1
             self._cv.notify()
@@ -159,18 +174,32 @@ class DashboardClient:
         """A `rank_stats` or `pipeline_timeline` message (with its `type`; run_id added).
         Past `telemetry_queue` waiting ones (the dashboard is away) the oldest is dropped:
         a heatmap with a gap is better than a trainer whose memory grows."""
-        item = (_TELEMETRY, {**msg, "run_id": self.run_id})
         with self._cv:
-            if self._n_telemetry >= self.telemetry_queue:
-                for i, (kind, _) in enumerate(self._items):
-                    if kind == _TELEMETRY:
-                        del self._items[i]
-                        self._n_telemetry -= 1
-                        self.dropped_telemetry += 1
-                        break
-            self._items.append(item)
-            self._n_telemetry += 1
+            self._bounded(_TELEMETRY, {**msg, "run_id": self.run_id})
             self._cv.notify()
+
+    def _bounded(self, kind: str, msg: dict[str, Any]) -> None:
+        """Queue a telemetry or loads item (holding the lock), dropping the oldest such item
+        past `telemetry_queue`; a dropped moe_load is replayed with its record instead."""
+        if self._n_telemetry >= self.telemetry_queue:
+            for i, (old, _) in enumerate(self._items):
+                if old in (_TELEMETRY, _LOADS):
+                    del self._items[i]
+                    self._n_telemetry -= 1
+                    self.dropped_telemetry += 1
+                    self._overflow |= old == _LOADS
+                    break
+        self._items.append((kind, msg))
+        self._n_telemetry += 1
+
+    def _remember(self, rec: dict[str, Any], loads: dict | None) -> None:
+        """Keep a record for replay without a metrics file (holding the lock); its loads only
+        for the newest `history_loads` records, so memory stays bounded."""
+        self._history.append({**rec, LOAD_KEY: loads} if loads is not None else rec)
+        if loads is not None:
+            self._history_loads.append(self._history[-1])
+            if len(self._history_loads) > self.history_loads:
+                self._history_loads.popleft().pop(LOAD_KEY, None)
 
     def run_end(self, status: str, error: str | None = None) -> None:
         self._control({"type": "run_end", "run_id": self.run_id, "status": status, "error": error})
@@ -221,7 +250,7 @@ class DashboardClient:
                             self._items.popleft()
                             if item[0] == _METRICS:
                                 self._n_metrics -= 1
-                            elif item[0] == _TELEMETRY:
+                            elif item[0] in (_TELEMETRY, _LOADS):
                                 self._n_telemetry -= 1
                     last_send = time.monotonic()
                 elif time.monotonic() - last_send >= self.heartbeat_s and self._start_msg:
@@ -307,14 +336,17 @@ class DashboardClient:
 
     def _send_item(self, item: tuple[str, dict[str, Any]]) -> None:
         kind, msg = item
-        if kind == _METRICS:
-            if msg["step"] > self._max_sent:
-                self._send_metrics(msg)
+        if kind in (_METRICS, _LOADS):
+            if msg["step"] > self._max_sent:  # else replayed already (loads with their record)
+                (self._send_metrics if kind == _METRICS else self._send)(msg)
         elif msg is not self._start_msg or self._max_sent < 0:
             self._send(msg)
 
     def _send_metrics(self, rec: dict[str, Any]) -> None:
-        values = {k: jsonable(v) for k, v in rec.items() if k != "step"}
+        loads = rec.get(LOAD_KEY)  # a replayed record's: before its scalars, as when live
+        if loads is not None:
+            self._send({**moe_load_message(rec["step"], time.time(), loads), "run_id": self.run_id})
+        values = {k: jsonable(v) for k, v in rec.items() if k not in ("step", LOAD_KEY)}
         if values:
             self._send(
                 {
@@ -353,26 +385,3 @@ class DashboardClient:
         if not self._warned:  # one warning, not one per step
             self._warned = True
             log.warning(text)
-
-
-def client_from_config(
-    dashboard_url: str | None,
-    *,
-    run_id: str,
-    token: str | None = None,
-    metrics_file: str | None = None,
-    **kwargs: Any,
-) -> DashboardClient | None:
-    """The client for `logging.dashboard_url`; NANOTRON_DASHBOARD_URL / _TOKEN override it.
-
-    None when no URL is set. A malformed URL is one warning and no client: training goes on.
-    """
-    url = os.environ.get("NANOTRON_DASHBOARD_URL") or dashboard_url
-    token = os.environ.get("NANOTRON_DASHBOARD_TOKEN") or token
-    if not url:
-        return None
-    try:
-        return DashboardClient(url, run_id=run_id, token=token, metrics_file=metrics_file, **kwargs)
-    except ValueError as e:
-        log.warning("%s; not streaming to the dashboard", e)
-        return None

@@ -112,24 +112,26 @@ def checkpoint_message(info: Mapping[str, Any] | str | os.PathLike) -> dict[str,
     return msg
 
 
-def dashboard_client(
-    dashboard_url: str | None, run_id: str, metrics_file: str | None, start_offset: int
+def client_from_config(
+    dashboard_url: str | None,
+    *,
+    run_id: str,
+    token: str | None = None,
+    metrics_file: str | None = None,
+    **kwargs: Any,
 ) -> DashboardClient | None:
-    """The client when `logging.dashboard_url` or NANOTRON_DASHBOARD_URL is set, else None."""
+    """The client for `logging.dashboard_url`; NANOTRON_DASHBOARD_URL / _TOKEN override it.
+
+    None when no URL is set. A malformed URL is one warning and no client: training goes on.
+    """
     import logging
 
     url = os.environ.get("NANOTRON_DASHBOARD_URL") or dashboard_url
+    token = os.environ.get("NANOTRON_DASHBOARD_TOKEN") or token
     if not url:
         return None
-    token = os.environ.get("NANOTRON_DASHBOARD_TOKEN") or None
     try:
-        return DashboardClient(
-            url,
-            run_id=run_id,
-            token=token,
-            metrics_file=metrics_file,
-            start_offset=start_offset,
-        )
+        return DashboardClient(url, run_id=run_id, token=token, metrics_file=metrics_file, **kwargs)
     except ValueError as e:  # a malformed URL: one warning, training goes on
         logging.getLogger("nanotron_train.dashboard").warning(
             "%s; not streaming to the dashboard", e

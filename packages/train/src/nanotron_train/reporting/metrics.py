@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +21,11 @@ from typing import Any, TextIO
 
 from nanotron_train.reporting.dashboard_sink import (
     checkpoint_message,
-    dashboard_client,
+    client_from_config,
     launch_command,
     new_run_id,
     resumed_from,
 )
-from nanotron_train.reporting.moe_metrics import LOAD_KEY, moe_load_message
 from nanotron_train.reporting.step_line import format_line
 
 
@@ -130,8 +128,11 @@ class MetricsLogger:
             self._file = path.open("a")
             start_offset = self._file.tell()  # the dashboard replays only what follows
         if run is not None:
-            self._dashboard = dashboard_client(
-                dashboard_url, self.run_id, metrics_file, start_offset
+            self._dashboard = client_from_config(
+                dashboard_url,
+                run_id=self.run_id,
+                metrics_file=metrics_file,
+                start_offset=start_offset,
             )
         if self._dashboard is not None and run is not None:
             self._dashboard.run_start(
@@ -161,9 +162,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=rec["step"])
         if self._dashboard is not None:
-            self._dashboard.metrics(rec["step"], rec)
-            if rec.get(LOAD_KEY):  # per-expert loads: the dashboard's load heatmap
-                self._dashboard.telemetry(moe_load_message(rec["step"], time.time(), rec[LOAD_KEY]))
+            self._dashboard.metrics(rec["step"], rec)  # moe_load too: the load heatmap
 
     def checkpoint(self, info: dict[str, Any] | str | os.PathLike) -> None:
         """Call after each save with the checkpoint folder (or a ready message dict)."""

@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 
 from nanotron_models.moe.stats import moe_blocks
+from nanotron_train.reporting.dashboard_spool import LOAD_KEY
 
-# The keys the record gains (docs/dashboard.md lists them); `moe_load` is not a scalar: the
-# metrics file keeps it, the dashboard gets it as a `moe_load` message, TensorBoard and wandb
-# (scalars only) skip it.
-LOAD_KEY = "moe_load"
+# The keys the record gains (docs/dashboard.md lists them); `moe_load` (LOAD_KEY) is not a
+# scalar: the metrics file keeps it, the dashboard client sends it as a `moe_load` message
+# (dashboard_spool.py), TensorBoard and wandb (scalars only) skip it.
 
 
 class MoEMetrics:
@@ -99,16 +99,6 @@ def imbalance_of(load: list[float]) -> float:
     """max / mean of one layer's expert loads (NaN when no token was routed)."""
     mean = sum(load) / len(load)
     return max(load) / mean if mean > 0 else float("nan")
-
-
-def moe_load_message(step: int, time_s: float, loads: dict[str, list[int]]) -> dict[str, Any]:
-    """The dashboard's `moe_load` message of a record's per-layer expert loads."""
-    return {
-        "type": "moe_load",
-        "step": step,
-        "time": time_s,
-        "layers": [{"layer": int(k), "counts": v} for k, v in loads.items()],
-    }
 
 
 def build_moe_metrics(cfg, pc, model) -> MoEMetrics | None:
