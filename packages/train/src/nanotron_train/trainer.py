@@ -63,8 +63,9 @@ BACKEND_TIMEOUT_MARGIN_S = 30.0
 class Trainer:
     """Holds the parallel context, the TrainState and the per-step machinery."""
 
-    def __init__(self, cfg: Config, pc: ParallelContext, stream: TextIO = sys.stdout) -> None:
+    def __init__(self, cfg: Config, pc: ParallelContext, stream: TextIO | None = None) -> None:
         self.cfg, self.pc = cfg, pc
+        stream = sys.stdout if stream is None else stream  # today's, not the one at import
         keep_freed_host_memory()  # host_memory.py: no page faults on every step's allocations
         level = configure_logging(cfg.logging, pc.rank)  # log_level / log_level_replica
         check_memory(cfg, pc)  # memory_estimate.py: refuse what cannot fit, before allocating
@@ -362,7 +363,7 @@ class Trainer:
 def train(
     cfg: Config,
     pc: ParallelContext | None = None,
-    stream: TextIO = sys.stdout,
+    stream: TextIO | None = None,  # None: sys.stdout
     on_record: Callable[[dict[str, Any]], None] | None = None,
     every_step: bool = False,
 ) -> dict | None:
