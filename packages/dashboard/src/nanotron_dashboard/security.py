@@ -3,7 +3,8 @@
 The tokens never travel further than they must: the login sets a cookie that is not a token
 (see auth.py), the startup line does not print them, and every log record, at every level
 and from every library, has the tokens, `Authorization` values, `token=` parameters and
-login cookies redacted before any handler writes it.
+login cookies redacted before any handler writes it, also when percent-encoded (once or
+more) into a URL.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hmac
 import logging
 import re
 from collections.abc import Iterable
+from urllib.parse import unquote, unquote_plus
 
 from fastapi import HTTPException, Request
 
@@ -19,6 +21,7 @@ from .auth import ACCESS, auth_level
 from .errors import StartupConfigError
 
 CSRF_HEADER = "x-csrf-token"
+MAX_DECODINGS = 3  # percent-decodings tried on a log line that holds a `%`
 
 
 def check_token(token: str, source: str) -> str:
@@ -71,10 +74,32 @@ class Redactor:
         self.secrets = sorted({s for s in secrets_ if s}, key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
+        text = self._plain(text)
+        if "%" in text or "+" in text:
+            return self._decoded(text)
+        return text
+
+    def _plain(self, text: str) -> str:
         for s in self.secrets:
             text = text.replace(s, "<redacted>")
         for p in _PATTERNS:
             text = p.sub(r"\1<redacted>", text)
+        return text
+
+    def _decoded(self, text: str) -> str:
+        """A secret a client percent-encoded (in a path, uvicorn's access log re-quotes
+        what it decoded; a query string is logged as sent, maybe encoded twice) is found
+        in the decoded text: the line is then written decoded, with it redacted."""
+        for decode in (unquote, unquote_plus):
+            seen = text
+            for _ in range(MAX_DECODINGS):
+                nxt = decode(seen)
+                if nxt == seen:
+                    break
+                seen = nxt
+                clean = self._plain(seen)
+                if clean != seen:
+                    return clean
         return text
 
 
