@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -23,6 +24,28 @@ LAUNCH_TOKEN = "launch-token-for-tests"
 OWNER_HEADERS = {**JSON_HEADERS, "Authorization": f"Bearer {LAUNCH_TOKEN}"}
 # the tests run against both (conftest: db_url, any_live_dashboard, pg_server)
 BACKENDS = ["sqlite", "postgresql"]
+
+
+def run_as_nobody(script: str, *argv: str) -> str:
+    """Run a Python script as `nobody`, another real user (the tests run as root); its
+    stdout. The attacker of the local-user tests."""
+    nobody = pwd.getpwnam("nobody")
+
+    def drop() -> None:
+        os.setgid(nobody.pw_gid)
+        os.setuid(nobody.pw_uid)
+
+    proc = subprocess.run(
+        ["/usr/bin/python3", "-c", script, *argv],
+        preexec_fn=drop,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def free_port() -> int:

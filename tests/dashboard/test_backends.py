@@ -22,10 +22,16 @@ def post(c, msg):
 
 
 def as_schema_2(db: str) -> None:
-    """Make a database look like one the previous release wrote: no timelines.clock."""
+    """Make a database look like one a previous release wrote: no timelines.clock, no
+    resolved-path keys, no grant MACs."""
     engine = open_database(db)
     with engine.begin() as c:
         c.execute(text("ALTER TABLE timelines DROP COLUMN clock"))
+        c.execute(text("DROP INDEX ix_checkpoints_path_key"))
+        c.execute(text("DROP INDEX ix_runs_checkpoints_key"))
+        c.execute(text("ALTER TABLE checkpoints DROP COLUMN path_key"))
+        c.execute(text("ALTER TABLE runs DROP COLUMN checkpoints_key"))
+        c.execute(text("ALTER TABLE launch_grants DROP COLUMN mac"))
         c.execute(text("UPDATE meta SET value='2' WHERE key='schema_version'"))
     engine.dispose()
 
@@ -35,13 +41,14 @@ def test_a_previous_release_database_upgrades_in_place(db_url):
     with TestClient(create_app(Settings(db=db_url)), base_url=LOCAL, headers=JSON_HEADERS) as s:
         post(s, {"type": "run_start", "run_id": "old"})
         post(s, {"type": "metrics", "run_id": "old", "step": 3, "values": {"lm_loss": 2.5}})
+        post(s, {"type": "checkpoint", "run_id": "old", "step": 3, "path": "/nowhere/old/3"})
     as_schema_2(db_url)
     engine = open_database(db_url)
     with engine.begin() as c:
         cols = {col["name"] for col in inspect(c).get_columns("timelines")}
         version = c.execute(text("SELECT value FROM meta WHERE key='schema_version'")).scalar()
     engine.dispose()
-    assert SCHEMA_VERSION == 4 and version == "4" and "clock" in cols
+    assert SCHEMA_VERSION == 5 and version == "5" and "clock" in cols
     with TestClient(create_app(Settings(db=db_url)), base_url=LOCAL, headers=JSON_HEADERS) as s:
         assert s.get("/api/runs/old/metrics?names=lm_loss").json()["series"]["lm_loss"]["y"] == [
             2.5
@@ -52,6 +59,10 @@ def test_a_previous_release_database_upgrades_in_place(db_url):
         series = s.get("/api/runs/old/metrics?names=lm_loss").json()["series"]["lm_loss"]
         assert series["step"] == [3, big] and series["y"] == [2.5, 1.5]
         assert s.get("/api/runs/old").json()["step"] == big
+        # the stored checkpoint got its resolved-path key: a resume of it links to "old"
+        resume = ["train", "--resume", "/nowhere/old/3"]
+        post(s, {"type": "run_start", "run_id": "new", "command": resume, "cwd": "/"})
+        assert s.get("/api/runs/new").json()["resumed_from"] == {"run_id": "old", "step": 3}
 
 
 def test_a_nul_in_a_run_end_error_is_stored_on_both(db_url):

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
-import subprocess
 import time
 
 import pytest
-from dashboard_helpers import JSON_HEADERS, LAUNCH_TOKEN, LOCAL, OWNER_HEADERS, start_dashboard
+from dashboard_helpers import (
+    JSON_HEADERS,
+    LAUNCH_TOKEN,
+    LOCAL,
+    OWNER_HEADERS,
+    run_as_nobody,
+    start_dashboard,
+)
 from fastapi.testclient import TestClient
 
 from nanotron_dashboard.app import Settings, create_app
@@ -51,23 +56,7 @@ print(json.dumps(out))
 
 
 def as_nobody(*argv: str) -> dict:
-    nobody = pwd.getpwnam("nobody")
-
-    def drop() -> None:
-        os.setgid(nobody.pw_gid)
-        os.setuid(nobody.pw_uid)
-
-    proc = subprocess.run(
-        ["/usr/bin/python3", "-c", ATTACK, *argv],
-        preexec_fn=drop,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return json.loads(run_as_nobody(ATTACK, *argv))
 
 
 @pytest.mark.parametrize("with_access_token", [False, True])
@@ -75,7 +64,7 @@ def test_another_local_user_cannot_launch(tmp_path, with_access_token):
     """`nobody` posts a command, a checkpoint, asks for the CSRF token and resumes: refused,
     with no token and with the trainers' access token alike; nothing runs."""
     marker = tmp_path / "pwned"
-    tmp_path.chmod(0o777)  # the attacker could write its marker: only a launch would
+    tmp_path.chmod(0o1777)  # as /tmp: the attacker could write its marker, only a launch would
     access = "trainer-access-token" if with_access_token else None
     d = start_dashboard(tmp_path / "runs.db", "--allow-launch", token=access)
     try:

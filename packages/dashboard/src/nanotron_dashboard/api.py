@@ -250,7 +250,7 @@ def resume(request: Request, checkpoint_id: int) -> JSONResponse:
     if not 0 <= checkpoint_id < 2**63:
         raise HTTPException(404, f"checkpoint {checkpoint_id} not found")
     with _conn(request) as c:
-        p = plan(c, checkpoint_id)
+        p = plan(c, checkpoint_id, state.grants)
     if p is None:
         raise HTTPException(404, f"checkpoint {checkpoint_id} not found")
     # the child is the owner's trainer: it streams, and its own run becomes launchable

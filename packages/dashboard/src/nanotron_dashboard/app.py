@@ -20,11 +20,13 @@ from .alerts import StallWatch, WebhookSender
 from .auth import AuthMiddleware, CookieSigner
 from .backend import is_url, pg_url
 from .db import lock_database, open_database
-from .errors import MissingAssetError, StartupConfigError
+from .db_files import private_dir
+from .errors import DatabaseFileError, MissingAssetError, StartupConfigError
+from .grants import GrantSigner
 from .guard import BrowserGuard, HostPolicy
 from .hub import Hub
 from .launch import Launcher
-from .memory import fits
+from .memory import fits, limit_malloc_arenas
 from .queries import load_series
 from .security import Redactor
 from .series import SeriesCache
@@ -142,6 +144,13 @@ def start_services(settings: Settings, webhooks: WebhookSender) -> Services:
     except Exception:
         lock.close()
         raise
+    if settings.allow_launch:  # the launch logs' folder: 0700 and ours, or no start
+        try:
+            private_dir(str(launch_log_dir(settings.db)))
+        except DatabaseFileError:
+            engine.dispose()
+            lock.close()
+            raise
     hub = Hub()
 
     def loader(run_pk: int, name: str):  # noqa: ANN202
@@ -168,6 +177,7 @@ def start_services(settings: Settings, webhooks: WebhookSender) -> Services:
 
 def create_app(settings: Settings) -> FastAPI:
     check_settings(settings)
+    limit_malloc_arenas()  # before the threads: memory bounded whatever the readers
     webhooks = WebhookSender(
         settings.alert_webhooks,
         settings.public_url,
@@ -196,6 +206,7 @@ def create_app(settings: Settings) -> FastAPI:
     st.hub, st.webhooks, st.lock = sv.hub, sv.webhooks, sv.lock
     st.csrf = secrets.token_urlsafe(32)
     st.launcher = Launcher(launch_log_dir(settings.db))
+    st.grants = GrantSigner(settings.launch_token)  # signs and checks launch grants
     for router in ROUTERS:
         app.include_router(router)
     api.error_handlers(app)

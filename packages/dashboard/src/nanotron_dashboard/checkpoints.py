@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from .paths import path_key, real_path
 from .trainer_files import MAX_METADATA_BYTES, ParsedCache, Refused
 
 METADATA_FILE = "checkpoint_metadata.json"
@@ -105,17 +106,16 @@ def _files_size(folder: Path, files: Any) -> tuple[int, bool]:
     or `../../x` makes the checkpoint incomplete, and that file is not even looked at.
     """
     size, complete = 0, True
-    try:
-        base = folder.resolve()
-    except OSError:
+    base = real_path(str(folder))
+    if base is None:
         return 0, False
     for f in files if isinstance(files, list) else []:
         try:
-            fp = (folder / f["path"]).resolve()
-            if not fp.is_relative_to(base) or fp == base:
+            fp = real_path(str(folder / f["path"]))  # never raises: a loop is None
+            if fp is None or not Path(fp).is_relative_to(base) or fp == base:
                 complete = False
                 continue
-            actual = fp.stat().st_size
+            actual = os.stat(fp).st_size
             size += actual
             if f.get("size") is not None and int(f["size"]) != actual:
                 complete = False
@@ -186,31 +186,32 @@ def resume_target(command: list[str]) -> str | None:
 def infer_resumed_from(
     conn: Connection, command: list[str], cwd: str | None, run_id: str
 ) -> tuple[str | None, int | None]:
-    """A run started with `--resume P` where P is a listed checkpoint links to that run."""
+    """A run started with `--resume P` where P is a listed checkpoint links to that run.
+
+    Bounded whatever is stored: P is resolved once, and its parent found by the key of its
+    resolved path (stored with each checkpoint and run, paths.py), two indexed lookups.
+    A P that does not resolve (a loop, too deep) links to nothing."""
     target = resume_target(command)
     if not target or target == "latest":
         return None, None
-    want = str(resolve_dir(target, cwd).resolve())
-    rows = conn.execute(
+    real = real_path(target, cwd)
+    if real is None:
+        return None, None
+    row = conn.execute(
         text(
-            "SELECT r.id, r.cwd, c.path, c.step FROM checkpoints c JOIN runs r ON r.pk = c.run_pk "
-            "WHERE r.id != :id"
+            "SELECT r.id, c.step FROM checkpoints c JOIN runs r ON r.pk = c.run_pk "
+            "WHERE c.path_key = :k AND r.id != :id ORDER BY c.id LIMIT 1"
         ),
-        {"id": run_id},
-    ).fetchall()
-    for rid, rcwd, path, step in rows:
-        if str(resolve_dir(path, rcwd).resolve()) == want:
-            return rid, step
+        {"k": path_key(real), "id": run_id},
+    ).first()
+    if row is not None:
+        return row[0], row[1]
     # a checkpoint found on disk but not stored yet: `<checkpoints_path>/<step>` of a run
-    folder = Path(want)
-    if folder.name.isdigit():
-        for rid, rcwd, cpath in conn.execute(
-            text(
-                "SELECT id, cwd, checkpoints_path FROM runs "
-                "WHERE checkpoints_path IS NOT NULL AND id != :id"
-            ),
-            {"id": run_id},
-        ):
-            if str(resolve_dir(cpath, rcwd).resolve()) == str(folder.parent):
-                return rid, int(folder.name)
-    return None, None
+    folder, name = os.path.split(real)
+    if not (name.isdecimal() and name.isascii() and int(name) <= INT64_MAX):
+        return None, None
+    row = conn.execute(
+        text("SELECT id FROM runs WHERE checkpoints_key = :k AND id != :id ORDER BY pk LIMIT 1"),
+        {"k": path_key(folder), "id": run_id},
+    ).first()
+    return (row[0], int(name)) if row is not None else (None, None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
-import stat
 from pathlib import Path
 from typing import IO
 
@@ -29,6 +28,7 @@ from sqlalchemy.exc import DatabaseError as SADatabaseError
 
 from .backend import PgLock, Raw, connect_error, is_url, pg_engine, shown
 from .blocks import seal_all
+from .db_files import open_private, prepare_side_files
 from .db_meta import Int64, metadata
 from .db_telemetry import TELEMETRY_TABLES  # and its tables, on the same metadata
 from .errors import DatabaseFileError
@@ -57,6 +57,8 @@ runs = Table(
     Column("command", Text, nullable=False, default="[]"),  # JSON list of argv
     Column("cwd", String),
     Column("checkpoints_path", String),
+    # paths.key_of(checkpoints_path, cwd): a resume of `<it>/<step>` finds this run by index
+    Column("checkpoints_key", String, index=True),
     Column("started", Float),
     Column("updated", Float),
     Column("heartbeat", Float),
@@ -138,6 +140,8 @@ checkpoints = Table(
     Column("complete", Integer, nullable=False, default=1),
     Column("created", Float),
     Column("source", String, nullable=False, default="message"),  # or "disk"
+    # paths.key_of(path, the run's cwd), at ingest: a resume finds its parent by index
+    Column("path_key", String, index=True),
     UniqueConstraint("run_pk", "step", name="uq_checkpoint_run_step"),
 )
 
@@ -151,6 +155,7 @@ launch_grants = Table(
     Column("command", Text, nullable=False),  # JSON argv
     Column("cwd", String),
     Column("checkpoints_path", String),
+    Column("mac", String),  # grants.py: made with a key only the launch token gives
 )
 
 
@@ -177,20 +182,12 @@ def lock_file(path: str | Path) -> IO[bytes]:
 
     flock belongs to the file (its inode), not the name, and SQLite's own locks are POSIX
     locks, which flock does not touch. The descriptor stays open until after the engine is
-    disposed (closing a descriptor of the file drops the process's POSIX locks on it). A new
-    database is created readable by its owner only. The lock goes with the process, even on
-    SIGKILL.
+    disposed (closing a descriptor of the file drops the process's POSIX locks on it). The
+    file and its side files must be this user's and private (db_files.py: a new one is
+    created 0600). The lock goes with the process, even on SIGKILL.
     """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except IsADirectoryError:
-        raise DatabaseFileError(f"--db {path}: is a directory, not a database file") from None
-    except OSError as e:
-        raise DatabaseFileError(f"--db {path}: cannot open it: {e.strerror}") from None
+    fd = open_private(str(path))
     f = os.fdopen(fd, "rb+", buffering=0)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise DatabaseFileError(f"--db {path}: not a regular file")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -199,6 +196,11 @@ def lock_file(path: str | Path) -> IO[bytes]:
             f"--db {path}: another nanotron-dashboard is serving this file (maybe under "
             "another path to it); stop it first or use another --db"
         ) from None
+    try:
+        prepare_side_files(str(path))  # after the lock: the one server of this file
+    except DatabaseFileError:
+        f.close()
+        raise
     return f
 
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from .auth import OWNER, auth_level
-from .launch import grant_job
+from .grants import grant_job
 from .messages import MAX_MESSAGE_BYTES, MessageError, RunStart, parse_messages
 from .store import refusal
 
@@ -43,9 +43,10 @@ def _grant(writer: Any, scope: dict[str, Any], msgs: list[Any]) -> None:
     """Queued right behind them: the run_starts of a trainer holding the launch token make
     their commands launchable (only theirs, only as sent)."""
     if auth_level(scope) == OWNER:
+        signer = scope["app"].state.grants
         for m in msgs:
             if isinstance(m, RunStart):
-                writer.submit(grant_job(m))
+                writer.submit(grant_job(m, signer))
 
 
 async def _put_waiting(writer: Any, items: list[Any]) -> None:

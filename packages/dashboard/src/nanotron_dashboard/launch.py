@@ -2,7 +2,9 @@
 
 What may run is decided by the database, never by the request: a run's launch grant holds the
 command, cwd and checkpoints path that a trainer holding the launch token sent in its
-run_start, and the checkpoint must lie inside that checkpoints path.
+run_start, signed with a key only the launch token gives (grants.py) and verified before each
+launch, and the checkpoint must lie inside that checkpoints path. The launch logs are private:
+their folder 0700, each log 0600 (db_files.private_dir).
 
 One launch per checkpoint at a time (a double click, or three parallel POSTs, start one
 trainer, not three), and every child is reaped by a waiting thread as soon as it exits.
@@ -11,6 +13,7 @@ trainer, not three), and every child is reaped by a waiting thread as soon as it
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -20,9 +23,13 @@ from pathlib import Path
 
 from sqlalchemy.engine import Connection
 
-from .checkpoints import newest_complete_step, resolve_dir, resume_argv
-from .errors import DashboardError
-from .messages import RunStart
+from .checkpoints import newest_complete_step, resume_argv
+from .db_files import private_dir
+from .errors import DashboardError, DatabaseFileError
+from .grants import GrantSigner, tampered
+from .paths import is_inside
+
+log = logging.getLogger("nanotron_dashboard")
 
 
 class LaunchError(DashboardError):
@@ -37,28 +44,6 @@ class NotGranted(DashboardError):
     """This run or checkpoint may not be launched (HTTP 403)."""
 
 
-def grant_job(m: RunStart) -> object:
-    """A writer job, queued after a run_start sent with the launch token: grant that run's
-    command if the stored one is the one this trainer sent (a refused 409 grants nothing)."""
-    sent = (json.dumps(m.command), m.cwd, m.checkpoints_path)
-
-    def job(conn: Connection) -> bool:
-        row = conn.exec_driver_sql(
-            "SELECT pk, command, cwd, checkpoints_path FROM runs WHERE id=?", (m.run_id,)
-        ).first()
-        if row is None or tuple(row[1:]) != sent or not m.command:
-            return False
-        conn.exec_driver_sql(
-            "INSERT INTO launch_grants(run_pk, command, cwd, checkpoints_path) "
-            "VALUES (?, ?, ?, ?) ON CONFLICT(run_pk) DO UPDATE SET command=excluded.command, "
-            "cwd=excluded.cwd, checkpoints_path=excluded.checkpoints_path",
-            (row[0], *sent),
-        )
-        return True
-
-    return job
-
-
 @dataclass
 class Plan:
     run_id: str
@@ -67,31 +52,32 @@ class Plan:
     checkpoint: str
 
 
-def plan(conn: Connection, checkpoint_id: int) -> Plan | None:
-    """What resuming this checkpoint runs; None if no such checkpoint, NotGranted if barred."""
+def plan(conn: Connection, checkpoint_id: int, signer: GrantSigner) -> Plan | None:
+    """What resuming this checkpoint runs; None if no such checkpoint, NotGranted if barred
+    (no grant, a grant that does not verify, a checkpoint outside its checkpoints path)."""
     row = conn.exec_driver_sql(
-        "SELECT c.path, r.id, g.command, g.cwd, g.checkpoints_path FROM checkpoints c "
-        "JOIN runs r ON r.pk=c.run_pk LEFT JOIN launch_grants g ON g.run_pk=c.run_pk "
-        "WHERE c.id=?",
+        "SELECT c.path, r.id, r.command, r.cwd, r.checkpoints_path, g.command, g.cwd, "
+        "g.checkpoints_path, g.mac FROM checkpoints c JOIN runs r ON r.pk=c.run_pk "
+        "LEFT JOIN launch_grants g ON g.run_pk=c.run_pk WHERE c.id=?",
         (checkpoint_id,),
     ).first()
     if row is None:
         return None
-    path, run_id, command, cwd, ck_root = row
+    path, run_id, command, cwd, ck_root, mac = row[0], row[1], row[5], row[6], row[7], row[8]
     if command is None:
         raise NotGranted(
             f"run {run_id!r} may not be launched from here: its run_start was not sent with "
             "the launch token"
         )
+    why = tampered(signer, run_id, tuple(row[2:5]), (command, cwd, ck_root), mac)
+    if why is not None:
+        log.error(
+            "dashboard: refused to launch checkpoint %d of run %r: %s", checkpoint_id, run_id, why
+        )
+        raise NotGranted(f"run {run_id!r} may not be launched: {why}")
     if not ck_root:
         raise NotGranted(f"run {run_id!r} recorded no checkpoints path to resume from")
-    try:
-        inside = (
-            resolve_dir(path, cwd).resolve().is_relative_to(resolve_dir(ck_root, cwd).resolve())
-        )
-    except (OSError, ValueError, RuntimeError):
-        inside = False
-    if not inside:
+    if not is_inside(path, ck_root, cwd):
         raise NotGranted(
             f"checkpoint {checkpoint_id} ({path}) is not inside run {run_id!r}'s checkpoints "
             f"path {ck_root}"
@@ -157,10 +143,19 @@ def _start(
     if not cwd or not Path(cwd).is_dir():
         raise LaunchError(f"the run's working directory {cwd!r} does not exist on this machine")
     argv = resume_argv(command, checkpoint_path, newest_complete_step(Path(checkpoint_path).parent))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        private_dir(str(log_dir))  # 0700, this user's (checked again: it may have gone)
+    except DatabaseFileError as e:
+        raise LaunchError(f"no place for the launch's log: {e}") from None
     log_path = log_dir / f"resume-{time.time_ns()}.log"
     env = {**os.environ, **env_extra}
-    with open(log_path, "ab") as log:
+    # 0600, a new file (O_EXCL): the log shows the trainer's output, which is the owner's
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(log_path, flags, 0o600)
+    except OSError as e:
+        raise LaunchError(f"could not create the launch's log {log_path}: {e.strerror}") from None
+    with os.fdopen(fd, "ab") as log:
         try:
             proc = subprocess.Popen(  # noqa: S603 - argv from the database, never from the request
                 argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

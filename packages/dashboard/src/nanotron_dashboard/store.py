@@ -17,6 +17,7 @@ from .backend import (
 )
 from .checkpoints import infer_resumed_from
 from .messages import RunStart
+from .paths import key_of
 
 log = logging.getLogger("nanotron_dashboard")
 
@@ -50,13 +51,14 @@ def refusal(status: int, error: str, **extra: Any) -> dict[str, Any]:
 
 UPSERT_RUN = (
     "INSERT INTO runs(id, project, name, status, config, world_size, topology, host, "
-    "command, cwd, checkpoints_path, started, updated, heartbeat, resumed_from_run, "
-    "resumed_from_step) VALUES (:id, :project, :name, 'running', :config, :ws, "
-    ":topology, :host, :command, :cwd, :cp, :started, :now, :now, :rfr, :rfs) "
+    "command, cwd, checkpoints_path, checkpoints_key, started, updated, heartbeat, "
+    "resumed_from_run, resumed_from_step) VALUES (:id, :project, :name, 'running', :config, "
+    ":ws, :topology, :host, :command, :cwd, :cp, :cpkey, :started, :now, :now, :rfr, :rfs) "
     "ON CONFLICT(id) DO UPDATE SET project=excluded.project, name=excluded.name, "
     "status='running', config=excluded.config, world_size=excluded.world_size, "
     "topology=excluded.topology, host=excluded.host, command=excluded.command, "
     "cwd=excluded.cwd, checkpoints_path=excluded.checkpoints_path, "
+    "checkpoints_key=excluded.checkpoints_key, "
     "updated=:now, heartbeat=:now, finished=NULL, error=NULL, "
     "started=COALESCE(runs.started, excluded.started), "
     "resumed_from_run=COALESCE(excluded.resumed_from_run, runs.resumed_from_run), "
@@ -110,6 +112,7 @@ def upsert_run(conn: Connection, m: RunStart, now: float) -> dict[str, Any] | No
         "command": json.dumps(m.command),
         "cwd": m.cwd,
         "cp": m.checkpoints_path,
+        "cpkey": key_of(m.checkpoints_path, m.cwd),  # resolved once, here
         "started": m.time,
         "now": now,
         "rfr": rf_run,
@@ -210,11 +213,15 @@ def insert_metrics(conn: Connection, rows: list[tuple]) -> None:
 
 
 def upsert_checkpoint(conn: Connection, run_pk: int, **f: Any) -> None:
+    """Store a checkpoint with the key of its resolved path (relative to its run's cwd),
+    computed once here: a resume finds it by that key (checkpoints.infer_resumed_from)."""
+    cwd = conn.execute(text("SELECT cwd FROM runs WHERE pk=:pk"), {"pk": run_pk}).scalar()
     conn.execute(
         text(
             "INSERT INTO checkpoints(run_pk, step, path, consumed_tokens, topology, size, complete, "
-            "created, source) VALUES (:pk, :step, :path, :ct, :topo, :size, :complete, :created, "
-            ":source) ON CONFLICT(run_pk, step) DO UPDATE SET path=excluded.path, "
+            "created, source, path_key) VALUES (:pk, :step, :path, :ct, :topo, :size, :complete, "
+            ":created, :source, :key) ON CONFLICT(run_pk, step) DO UPDATE SET path=excluded.path, "
+            "path_key=excluded.path_key, "
             "consumed_tokens=COALESCE(excluded.consumed_tokens, checkpoints.consumed_tokens), "
             "topology=excluded.topology, size=COALESCE(excluded.size, checkpoints.size), "
             "complete=excluded.complete, created=COALESCE(excluded.created, checkpoints.created)"
@@ -229,5 +236,6 @@ def upsert_checkpoint(conn: Connection, run_pk: int, **f: Any) -> None:
             "complete": 1 if f.get("complete", True) else 0,
             "created": f.get("created"),
             "source": f.get("source", "message"),
+            "key": key_of(f["path"], cwd),
         },
     )
