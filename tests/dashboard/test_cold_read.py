@@ -130,7 +130,7 @@ def test_schema_1_database_is_migrated(tmp_path):
         version = c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
         stored = c.execute("SELECT block, n FROM series_blocks ORDER BY block").fetchall()
         steps, values, times = blocks.load(blocks.Raw(c), 1, "lm_loss")
-    assert version == str(SCHEMA_VERSION) == "4"
+    assert version == str(SCHEMA_VERSION) == "5"
     assert stored == [(0, B), (1, B)]  # the block of the newest step stays rows only
     want = blocks.rows_to_arrays([r[2:] for r in rows])
     assert np.array_equal(steps, want[0]) and np.array_equal(times, want[2])

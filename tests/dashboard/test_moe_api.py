@@ -148,7 +148,7 @@ def test_a_schema_3_database_upgrades_and_reads_its_old_rank_stats(tmp_path, req
         assert h["values"]["all_to_all_ms"] == [[None, None]]
         post(s, moe_load("old", 10, [0]))
         assert s.get("/api/runs/old/moe_load").json()["counts"] == [[11, 12, 13, 14]]
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
 
 
 def test_the_queue_cost_of_a_moe_load_covers_its_parsed_memory():
