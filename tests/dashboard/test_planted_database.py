@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import shutil
 import stat
 import tempfile
@@ -101,6 +102,17 @@ def test_loose_modes_and_folders_refuse_the_start(tmp_path, monkeypatch, capsys)
     open_folder.chmod(0o777)  # anyone could rename the file away and put another there
     code, err = _start(["--db", str(open_folder / "runs.db")], monkeypatch, capsys)
     assert code == 2 and "no sticky bit" in err and err.count("\n") == 1, err
+    team = tmp_path / "team"  # writable by a group others are in: they could too
+    team.mkdir()
+    os.chown(team, -1, pwd.getpwnam("nobody").pw_gid)
+    team.chmod(0o770)
+    code, err = _start(["--db", str(team / "runs.db")], monkeypatch, capsys)
+    assert code == 2 and "no sticky bit" in err, err
+    umask_002 = tmp_path / "mine"  # writable by the user's private group only: fine
+    umask_002.mkdir()
+    umask_002.chmod(0o775)
+    with TestClient(create_app(Settings(db=str(umask_002 / "runs.db"))), base_url=LOCAL):
+        pass
 
 
 def _mode(path) -> int:

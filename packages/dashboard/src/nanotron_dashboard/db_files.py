@@ -5,8 +5,9 @@ replays a WAL or a hot journal it finds) decides what Resume runs. With `--db` i
 others can write (the system temporary folder, a shared scratch space), another user could
 create them first, mode 0666, and rewrite commands. So before SQLite opens anything:
 
-- the folder holding the file must not let others replace files in it (writable by group or
-  others only with the sticky bit, as /tmp: there nobody removes or renames another's file);
+- the folder holding the file must not let others replace files in it (writable by others,
+  or by a group other than the user's private one, only with the sticky bit, as /tmp: there
+  nobody removes or renames another's file);
 - the file, and each side file that exists, must be a regular file owned by this user and
   not writable by group or others; a symlink to it must be this user's own;
 - a new file is created 0600 (O_CREAT, then checked by fstat on the same descriptor); the
@@ -20,6 +21,7 @@ The folder of launch logs (`runs.db.launches/`) gets the same treatment: `privat
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import stat
@@ -54,10 +56,22 @@ def check_private(st: os.stat_result, name: str) -> None:
         )
 
 
+def _own_group(gid: int) -> bool:
+    """The user's private group (named after the user, no other member): what a umask of
+    002 makes every folder writable by, and no one else is in it."""
+    try:
+        me, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return group.gr_name == me and set(group.gr_mem) <= {me}
+
+
 def check_folder(folder: str) -> None:
-    """Others may not replace files in it: not writable by them, or sticky (as /tmp)."""
+    """Others may not replace files in it: not writable by them (its group may write when it
+    is the user's private group), or sticky (as /tmp)."""
     st = os.stat(folder)
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+    others = st.st_mode & 0o002 or (st.st_mode & 0o020 and not _own_group(st.st_gid))
+    if others and not st.st_mode & stat.S_ISVTX:
         raise DatabaseFileError(
             f"folder {folder} lets other users replace the database's files (mode "
             f"{stat.S_IMODE(st.st_mode):o}, no sticky bit): {FIX}"
