@@ -7,6 +7,8 @@ run or a metric is evicted by the caps and dropped when the run is deleted.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Any
 
 from .blocks import BOUND_BYTES, MAX_BOUNDS
@@ -30,6 +32,23 @@ def limits(cache_bytes: int, queue_bytes: int) -> dict[str, int]:
 
 def fits(cache_bytes: int, queue_bytes: int) -> bool:
     return BASELINE_BYTES + sum(limits(cache_bytes, queue_bytes).values()) <= MEMORY_BUDGET_BYTES
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas() -> None:
+    """Two malloc arenas for the whole process. glibc gives each thread that allocates at
+    once an arena of its own (up to 8 per core) and keeps what is freed in it: the route
+    thread pool's 40 threads, each having built a heatmap once, would hold on to many peaks
+    (measured: six heatmap readers at once, 294 MiB peak RSS on PostgreSQL; 174 MiB with two
+    arenas). Not glibc: nothing to do."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+    except (OSError, AttributeError):
+        pass
 
 
 def rss_bytes() -> int | None:

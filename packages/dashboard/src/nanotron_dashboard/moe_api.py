@@ -7,7 +7,8 @@ from fastapi.responses import Response
 
 from . import moe_store, queries
 from .api import _conn
-from .telemetry_api import Step, _json
+from .heatmap import heavy_read
+from .telemetry_api import Step
 
 router = APIRouter()
 
@@ -23,8 +24,10 @@ def moe_load(
 ) -> Response:
     """One MoE layer's tokens per expert at the logged steps (`counts[j][e]`: step
     `steps[j]`, expert e), at most `max_steps` steps evenly spaced (and the newest); `layers`
-    lists the run's MoE layers."""
-    with _conn(request) as c:
+    lists the run's MoE layers. At most 500,000 counts: steps x the most experts a step of
+    the range has."""
+    with heavy_read(), _conn(request) as c:
         pk = queries.run_row(c, run_id).pk
-        body = moe_store.moe_load(c, pk, layer, from_step, to_step, max_steps)
-    return _json({"run_id": run_id, **body})
+        head = {"run_id": run_id}
+        body = moe_store.moe_load(c, pk, layer, from_step, to_step, max_steps, head)
+    return Response(body, media_type="application/json")

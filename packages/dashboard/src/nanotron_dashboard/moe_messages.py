@@ -20,6 +20,9 @@ MAX_MOE_EXPERTS = 1024  # experts of one layer
 MOE_COUNT_MEMORY = 40
 MOE_LAYER_MEMORY = 600
 MOE_MESSAGE_MEMORY = 2048  # the message itself
+# A layer's counts sum to at most 2^53 - 1: every count and the step's token total is then an
+# integer that any JSON reader (a browser's double included) holds exactly.
+MAX_LAYER_TOKENS = 2**53 - 1
 
 
 class MoELayerLoad(BaseModel):
@@ -38,6 +41,12 @@ class MoELoad(Msg):
     def _consistent(self) -> MoELoad:
         if len({x.layer for x in self.layers}) != len(self.layers):
             raise ValueError("layers: each layer must appear once")
+        for x in self.layers:
+            if sum(x.counts) > MAX_LAYER_TOKENS:
+                raise ValueError(
+                    f"layer {x.layer}: counts sum to {sum(x.counts)}, over 2^53 - 1 (the largest "
+                    "integer a browser reads exactly)"
+                )
         experts = {len(x.counts) for x in self.layers}
         if len(experts) > 1:
             raise ValueError(

@@ -6,12 +6,14 @@ heatmap of 400 steps reads 400 small blobs. A replay of a step overwrites it.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 from sqlalchemy.engine import Connection
 
-from .backend import qmarks
+from .fields import INT64_MAX
+from .heatmap import fetch, json_body, pick_steps
 from .moe_messages import MoELoad
 
 # counts in one heatmap response (steps x experts): a few MB of JSON at most
@@ -43,45 +45,41 @@ def moe_load(
     from_step: int | None,
     to_step: int | None,
     max_steps: int,
-) -> dict[str, Any]:
-    """One layer's expert x step counts (the first layer when `layer` is None).
+    head: dict[str, Any],
+) -> bytes:
+    """One layer's expert x step counts (the first layer when `layer` is None), as the
+    response's JSON (after `head`'s keys).
 
     At most `max_steps` logged steps, evenly spaced and always the newest, fewer when steps x
-    experts would exceed HEATMAP_COUNTS; `total` says how many exist. `counts[j]` is step
-    `steps[j]`'s count per expert, `tokens[j]` their sum (tokens x top_k assignments).
+    the most experts a step of the range has would exceed HEATMAP_COUNTS; `total` says how
+    many exist. `counts[j]` is step `steps[j]`'s count per expert, `tokens[j]` their sum
+    (tokens x top_k assignments), both exact integers.
     """
     layers = moe_layers(conn, pk)
     if layer is None and layers:
         layer = layers[0]
-    out: dict[str, Any] = {"layers": layers, "layer": layer, "num_experts": 0, "total": 0}
-    out |= {"steps": [], "times": [], "counts": [], "tokens": []}
-    lo = -1 if from_step is None else from_step
-    hi = 2**63 - 1 if to_step is None else to_step
-    steps = [
-        r[0]
-        for r in conn.exec_driver_sql(
-            "SELECT step FROM moe_load WHERE run_pk=? AND layer=? AND step BETWEEN ? AND ? "
-            "ORDER BY step",
-            (pk, layer, lo, hi),
-        )
-    ]
-    out["total"] = len(steps)
-    if not steps:
-        return out
-    newest = conn.exec_driver_sql(
-        "SELECT n FROM moe_load WHERE run_pk=? AND layer=? AND step=?", (pk, layer, steps[-1])
-    ).scalar()
-    k = max(1, min(max_steps, HEATMAP_COUNTS // max(int(newest), 1), len(steps)))
-    picked = sorted({steps[int(round(i))] for i in np.linspace(0, len(steps) - 1, k)})
-    for step, t, counts in conn.exec_driver_sql(
-        f"SELECT step, time, counts FROM moe_load WHERE run_pk=? AND layer=? AND step IN "
-        f"{qmarks(len(picked))} ORDER BY step",
-        (pk, layer, *picked),
+    out: dict[str, Any] = {**head, "layers": layers, "layer": layer, "num_experts": 0}
+    out |= {"total": 0, "steps": [], "times": [], "tokens": []}
+    where = "run_pk=? AND layer=? AND step BETWEEN ? AND ?"
+    params = (pk, layer, -1 if from_step is None else from_step)
+    params += (INT64_MAX if to_step is None else to_step,)
+    total, widest = conn.exec_driver_sql(
+        f"SELECT COUNT(*), MAX(n) FROM moe_load WHERE {where}", params
+    ).first()
+    out["total"] = total
+    if not total:
+        return json_body(out, {"counts": []})
+    # bounded by the widest step, not the newest: older steps may count more experts
+    k = max(1, min(max_steps, HEATMAP_COUNTS // max(int(widest), 1)))
+    picked = pick_steps(conn, "moe_load", where, params, total, k)
+    counts: list[bytes] = []
+    for step, t, blob in fetch(
+        conn, "moe_load", "step, time, counts", "length(counts)", where, params, picked
     ):
-        row = np.frombuffer(counts, dtype="<i8")
+        row = np.frombuffer(blob, dtype="<i8").tolist()
         out["steps"].append(step)
         out["times"].append(t)
-        out["counts"].append(row.tolist())
-        out["tokens"].append(int(row.sum()))
-    out["num_experts"] = len(out["counts"][-1])
-    return out
+        out["tokens"].append(sum(row))  # a Python int: exact, where an int64 sum would wrap
+        counts.append(json.dumps(row, separators=(",", ":")).encode())
+        out["num_experts"] = len(row)
+    return json_body(out, {"counts": counts})

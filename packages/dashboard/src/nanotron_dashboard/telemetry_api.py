@@ -13,9 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from . import queries, telemetry_queries, telemetry_store
 from .api import _conn, _write
+from .heatmap import heavy_read
 from .messages import INT64_MAX
 from .security import require_csrf
 from .telemetry_messages import EVENT_KINDS, RANK_FIELDS
+from .telemetry_queries import MAX_FIELDS
 
 router = APIRouter()
 MAX_LABELS_BODY = 64 << 10
@@ -40,15 +42,19 @@ def rank_stats(
     from_step: Step | None = None,
     to_step: Step | None = None,
     max_steps: int = Query(200, ge=1, le=5000),
-    fields: str | None = Query(None, description="comma-separated; default all"),
+    fields: str | None = Query(
+        None, description=f"comma-separated, at most {MAX_FIELDS}; default all"
+    ),
 ) -> Response:
     """The heatmap: per field, a grid of intervals (`steps`) x ranks (`ranks`, with their
-    coordinates and host), at most `max_steps` intervals evenly spaced (and the newest)."""
+    coordinates and host), at most `max_steps` intervals evenly spaced (and the newest), at
+    most a million numbers (an interval alone over that is a 400: ask for fewer fields)."""
     wanted = [f for f in fields.split(",") if f] if fields else list(RANK_FIELDS)
-    with _conn(request) as c:
+    with heavy_read(), _conn(request) as c:
         pk = queries.run_row(c, run_id).pk
-        body = telemetry_queries.rank_stats(c, pk, from_step, to_step, max_steps, wanted)
-    return _json({"run_id": run_id, **body})
+        head = {"run_id": run_id}
+        body = telemetry_queries.rank_stats(c, pk, from_step, to_step, max_steps, wanted, head)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/api/runs/{run_id}/timelines", tags=["telemetry"])

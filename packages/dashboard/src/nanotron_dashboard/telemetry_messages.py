@@ -49,8 +49,27 @@ class _Part(BaseModel):
 
 
 # A phase this release does not know (a new communication the trainer times): shown by its name.
-PHASE_NAME = r"^[a-z][a-z0-9_]{0,47}_ms$"
-MAX_EXTRA_PHASES = 8  # distinct unknown phases in one message
+# Matched whole (re.fullmatch): `$` would also match before a trailing newline.
+PHASE_NAME = r"[a-z][a-z0-9_]{0,47}_ms"
+MAX_EXTRA_PHASES = 8  # distinct unknown phases in one message (and in one stored interval)
+
+
+def is_phase_name(name: str) -> bool:
+    return re.fullmatch(PHASE_NAME, name) is not None
+
+
+def _phase_time(k: str, v: object) -> None:
+    """A phase time is a number >= 0 that a float holds (a 400-digit integer is not), or null."""
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{k}: a phase time is a number >= 0 or null")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{k}: {str(v)[:20]}... is too large for a time in ms") from None
+    if not 0 <= f < math.inf:
+        raise ValueError(f"{k}: a phase time is a finite number >= 0 or null")
 
 
 class RankEntry(_Part):
@@ -81,17 +100,14 @@ class RankEntry(_Part):
         if len(extra) > MAX_EXTRA_PHASES:
             raise ValueError(f"{len(extra)} unknown fields, over the limit of {MAX_EXTRA_PHASES}")
         for k, v in extra.items():
-            if not re.match(PHASE_NAME, k):
+            if not is_phase_name(k):
                 raise ValueError(f"unknown field {k[:60]!r}: a phase is named like 'name_ms'")
-            if v is not None and not (isinstance(v, int | float) and 0 <= v < math.inf):
-                raise ValueError(f"{k}: a phase time is a finite number >= 0 or null")
-            if isinstance(v, bool):
-                raise ValueError(f"{k}: a phase time is a number, not a boolean")
+            _phase_time(k, v)
         return self
 
     def phases(self) -> dict[str, float | None]:
         """The unknown phases' times, by field name."""
-        return dict(self.model_extra or {})
+        return {k: None if v is None else float(v) for k, v in (self.model_extra or {}).items()}
 
 
 # the numeric fields of a RankEntry, in the order the database packs them by default; a row

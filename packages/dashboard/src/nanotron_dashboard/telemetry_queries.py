@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import numpy as np
@@ -11,15 +10,19 @@ from sqlalchemy.engine import Connection
 
 from .backend import qmarks
 from .errors import DashboardError
-from .telemetry_messages import LEGACY_RANK_FIELDS, PHASE_NAME, RANK_FIELDS
+from .fields import INT64_MAX
+from .heatmap import fetch, floats_json, json_body, pick_steps
+from .telemetry_messages import (
+    LEGACY_RANK_FIELDS,
+    MAX_EXTRA_PHASES,
+    RANK_FIELDS,
+    is_phase_name,
+)
 
-# numbers in one heatmap response (ranks x steps x fields): ~10 MB of JSON at most
+# numbers in one heatmap response (ranks x steps x fields): ~25 MB of JSON at most
 HEATMAP_NUMBERS = 1_000_000
+MAX_FIELDS = len(RANK_FIELDS) + MAX_EXTRA_PHASES  # fields of one request, each once
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
-
-
-def _floats(a: np.ndarray) -> list[float | None]:
-    return [None if v != v else float(v) for v in a.tolist()]  # NaN (a null) -> None
 
 
 def _names(fields: str | None) -> list[str]:
@@ -27,19 +30,55 @@ def _names(fields: str | None) -> list[str]:
     return json.loads(fields) if fields else list(LEGACY_RANK_FIELDS)
 
 
-def _ranks_of(conn: Connection, pk: int, step: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """The ranks of one interval, by rank, with their coordinates and hosts; its fields."""
-    newest = conn.exec_driver_sql(
+def _ranks_of(conn: Connection, pk: int, step: int) -> tuple[np.ndarray, list[bytes], list[str]]:
+    """The ranks of one interval, sorted; each as JSON with its coordinates and host; its
+    fields. Encoded rank by rank: 65,536 ranks as dicts would cost ~40 MB."""
+    n, cbytes, hosts_json, names = conn.exec_driver_sql(
         "SELECT n, coords, hosts, fields FROM rank_stats WHERE run_pk=? AND step=?", (pk, step)
     ).first()
-    coords = np.frombuffer(newest[1], dtype="<i8").reshape(newest[0], 5)
+    coords = np.frombuffer(cbytes, dtype="<i8").reshape(n, 5)
     order = np.argsort(coords[:, 0], kind="stable")
-    hosts = json.loads(newest[2])
-    return [
-        {"rank": int(c[0]), "dp": int(c[1]), "tp": int(c[2]), "pp": int(c[3]), "cp": int(c[4]),
-         "host": hosts[i]}
-        for c, i in zip(coords[order], order.tolist())
-    ], _names(newest[3])  # fmt: skip
+    hosts = json.loads(hosts_json)
+    ranks = [
+        f'{{"rank":{r},"dp":{dp},"tp":{tp},"pp":{pp},"cp":{cp},"host":{json.dumps(hosts[i])}}}'
+        .encode()
+        for (r, dp, tp, pp, cp), i in zip(coords[order].tolist(), order.tolist())
+    ]  # fmt: skip
+    return coords[order, 0].copy(), ranks, _names(names)
+
+
+def check_fields(fields: list[str]) -> list[str]:
+    """The asked fields, each once: known ones or phases, at most MAX_FIELDS."""
+    fields = list(dict.fromkeys(fields))
+    if len(fields) > MAX_FIELDS:
+        raise DashboardError(
+            f"{len(fields)} fields asked, over the limit of {MAX_FIELDS} (the known ones and "
+            f"{MAX_EXTRA_PHASES} phases)"
+        )
+    unknown = [f for f in fields if f not in RANK_FIELDS and not is_phase_name(f)]
+    if unknown:
+        raise DashboardError(
+            f"unknown field(s) {', '.join(unknown)[:200]!r}; known: {RANK_FIELDS} or a phase "
+            "named like 'name_ms'"
+        )
+    return fields
+
+
+def _grid(
+    ranks: np.ndarray, fields: list[str], n: int, cbytes: bytes, vbytes: bytes, names: str | None
+) -> np.ndarray:
+    """One stored interval as a (newest interval's ranks) x fields grid, NaN where missing."""
+    have = _names(names)
+    row_ranks = np.frombuffer(cbytes, dtype="<i8").reshape(n, 5)[:, 0]
+    # a column of NaN at the end stands for the fields this row does not hold
+    vals = np.frombuffer(vbytes, dtype="<f8").reshape(n, len(have))
+    vals = np.concatenate([vals, np.full((n, 1), np.nan)], axis=1)
+    col = [have.index(f) if f in have else len(have) for f in fields]
+    pos = np.minimum(np.searchsorted(ranks, row_ranks), len(ranks) - 1)
+    keep = ranks[pos] == row_ranks  # a rank the newest interval lacks has no row
+    grid = np.full((len(ranks), len(fields)), np.nan)
+    grid[pos[keep]] = vals[keep][:, col]
+    return grid
 
 
 def rank_stats(
@@ -49,60 +88,49 @@ def rank_stats(
     to_step: int | None,
     max_steps: int,
     fields: list[str],
-) -> dict[str, Any]:
-    """Per field, a steps x ranks grid of the intervals in [from_step, to_step].
+    head: dict[str, Any],
+) -> bytes:
+    """Per field, a steps x ranks grid of the intervals in [from_step, to_step], as the
+    response's JSON (after `head`'s keys).
 
     The rows are the ranks of the newest interval (a rank missing from an older one is
-    None there). At most `max_steps` intervals, evenly spaced and always the newest, fewer
-    when ranks x steps x fields would exceed HEATMAP_NUMBERS; `total` says how many exist.
+    null there). At most `max_steps` intervals, evenly spaced and always the newest, fewer
+    when ranks x steps x fields would exceed HEATMAP_NUMBERS (an interval alone over it is
+    refused: ask for fewer fields); `total` says how many exist.
     """
-    unknown = [f for f in fields if f not in RANK_FIELDS and not re.match(PHASE_NAME, f)]
-    if unknown:
+    fields = check_fields(fields)
+    where = "run_pk=? AND step BETWEEN ? AND ?"
+    params = (pk, -1 if from_step is None else from_step, INT64_MAX if to_step is None else to_step)
+    total, newest = conn.exec_driver_sql(
+        f"SELECT COUNT(*), MAX(step) FROM rank_stats WHERE {where}", params
+    ).first()
+    out: dict[str, Any] = {**head, "fields": fields, "total": total, "steps": [], "times": []}
+    out |= {"intervals": [], "available": list(RANK_FIELDS)}  # and the newest's phases
+    if not total:
+        return json_body(out, {"ranks": [], "values": {f: [] for f in fields}})
+    ranks, rank_json, newest_fields = _ranks_of(conn, pk, newest)
+    out["available"] += [f for f in newest_fields if f not in RANK_FIELDS]
+    per_interval = len(ranks) * max(len(fields), 1)
+    if per_interval > HEATMAP_NUMBERS:
         raise DashboardError(
-            f"unknown field(s) {', '.join(unknown)[:200]}; known: {RANK_FIELDS} or a phase "
-            "named like 'name_ms'"
+            f"{len(ranks)} ranks x {len(fields)} fields = {per_interval:,} numbers per interval, "
+            f"over the {HEATMAP_NUMBERS:,} numbers a response holds: ask for fewer fields"
         )
-    lo = -1 if from_step is None else from_step
-    hi = 2**63 - 1 if to_step is None else to_step
-    steps = [
-        r[0]
-        for r in conn.exec_driver_sql(
-            "SELECT step FROM rank_stats WHERE run_pk=? AND step BETWEEN ? AND ? ORDER BY step",
-            (pk, lo, hi),
-        )
-    ]
-    out: dict[str, Any] = {"fields": fields, "total": len(steps), "steps": [], "times": []}
-    out |= {"intervals": [], "ranks": [], "values": {f: [] for f in fields}}
-    out["available"] = list(RANK_FIELDS)  # and the phases the newest interval has
-    if not steps:
-        return out
-    out["ranks"], newest = _ranks_of(conn, pk, steps[-1])
-    out["available"] += [f for f in newest if f not in RANK_FIELDS]
-    row_of = {r["rank"]: i for i, r in enumerate(out["ranks"])}
-    budget = max(1, HEATMAP_NUMBERS // (len(row_of) * max(len(fields), 1)))
-    k = max(1, min(max_steps, budget, len(steps)))
-    picked = sorted({steps[int(round(i))] for i in np.linspace(0, len(steps) - 1, k)})
-    for step, t, interval, n, cbytes, vbytes, names in conn.exec_driver_sql(
-        "SELECT step, time, interval, n, coords, vals, fields FROM rank_stats WHERE run_pk=? "
-        f"AND step IN {qmarks(len(picked))} ORDER BY step",
-        (pk, *picked),
-    ):
-        have = _names(names)
-        ranks = np.frombuffer(cbytes, dtype="<i8").reshape(n, 5)[:, 0]
-        # a column of NaN at the end stands for the fields this row does not hold
-        vals = np.frombuffer(vbytes, dtype="<f8").reshape(n, len(have))
-        vals = np.concatenate([vals, np.full((n, 1), np.nan)], axis=1)
-        col = [have.index(f) if f in have else len(have) for f in fields]
-        grid = np.full((len(row_of), len(fields)), np.nan)
-        rows = np.array([row_of.get(int(r), -1) for r in ranks])
-        keep = rows >= 0
-        grid[rows[keep]] = vals[keep][:, col]
+    k = max(1, min(max_steps, HEATMAP_NUMBERS // per_interval))
+    picked = pick_steps(conn, "rank_stats", where, params, total, k)
+    values: dict[str, list[bytes]] = {f: [] for f in fields}
+    rows = fetch(
+        conn, "rank_stats", "step, time, interval, n, coords, vals, fields",
+        "length(coords) + length(vals)", where, params, picked,
+    )  # fmt: skip
+    for step, t, interval, n, cbytes, vbytes, names in rows:
+        grid = _grid(ranks, fields, n, cbytes, vbytes, names)
         out["steps"].append(step)
         out["times"].append(t)
         out["intervals"].append(interval)
         for j, f in enumerate(fields):
-            out["values"][f].append(_floats(grid[:, j]))
-    return out
+            values[f].append(floats_json(grid[:, j]))
+    return json_body(out, {"ranks": rank_json, "values": values})
 
 
 def timelines(conn: Connection, pk: int, limit: int) -> list[dict[str, Any]]:

@@ -16,10 +16,13 @@ from typing import Any
 import numpy as np
 from sqlalchemy.engine import Connection
 
+from .fields import MAX_RANKS
 from .moe_messages import MoELoad
 from .moe_store import store_moe_load
+from .store import refusal
 from .telemetry_messages import (
     LEGACY_RANK_FIELDS,
+    MAX_EXTRA_PHASES,
     RANK_FIELDS,
     Event,
     PipelineTimeline,
@@ -57,7 +60,20 @@ def _columns(names: list[str], have: list[str], vals: np.ndarray) -> np.ndarray:
     return out
 
 
-def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool:
+def _interval_too_big(m: RankStats, n: int, names: list[str]) -> dict[str, Any] | None:
+    """A stored interval holds at most MAX_RANKS ranks and MAX_EXTRA_PHASES unknown phases,
+    whatever messages it was merged from: what a heatmap reads of it stays bounded."""
+    extra = len(names) - len(RANK_FIELDS)
+    if n <= MAX_RANKS and extra <= MAX_EXTRA_PHASES:
+        return None
+    return refusal(
+        422,
+        f"rank_stats step {m.step}: the interval would hold {n} ranks and {extra} unknown "
+        f"phases, over the limits of {MAX_RANKS} and {MAX_EXTRA_PHASES}",
+    )
+
+
+def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool | dict[str, Any]:
     """Merge the message's ranks into the step's row: a large world arrives as several
     messages per step (disjoint ranks), and a replay overwrites its own ranks only. The row
     names its columns: the known fields, then the phases this release does not know."""
@@ -88,6 +104,9 @@ def store_rank_stats(conn: Connection, pk: int, m: RankStats) -> bool:
         hosts = [h for h, k in zip(old_hosts, keep.tolist()) if k] + hosts
         order = np.argsort(coords[:, 0], kind="stable")
         coords, vals, hosts = coords[order], vals[order], [hosts[i] for i in order.tolist()]
+    refused = _interval_too_big(m, len(coords), names)
+    if refused is not None:
+        return refused
     conn.exec_driver_sql(
         "INSERT INTO rank_stats(run_pk, step, time, interval, n, coords, hosts, vals, fields) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_pk, step) DO UPDATE SET "
@@ -156,8 +175,9 @@ def store_samples(conn: Connection, pk: int, m: Samples) -> bool:
 
 
 # The telemetry messages stored per step, each by its function: True when something new was
-# stored (the live feed then tells the pages). Events are stored by store_trainer_event.
-Store = Callable[[Connection, int, Any], bool]
+# stored (the live feed then tells the pages), a refusal (a dict) when it may not be.
+# Events are stored by store_trainer_event.
+Store = Callable[[Connection, int, Any], bool | dict[str, Any]]
 STORE: dict[type, Store] = {
     RankStats: store_rank_stats,
     PipelineTimeline: store_timeline,

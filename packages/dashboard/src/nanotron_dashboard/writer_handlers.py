@@ -97,7 +97,10 @@ class Handlers:
     def telemetry(self, conn: Connection, m: Any, b: Batch) -> Result:
         pk = self.pk(conn, m.run_id, b.now)
         b.touched.add(m.run_id)  # a sign of life like a heartbeat
-        if telemetry_store.STORE[type(m)](conn, pk, m):  # not a replay: the pages are told
+        stored = telemetry_store.STORE[type(m)](conn, pk, m)
+        if isinstance(stored, dict):  # refused (over a bound across messages)
+            return stored
+        if stored:  # not a replay: the pages are told
             notice = {"type": m.type, "run_id": m.run_id, "step": m.step}
             b.side.notices.setdefault(m.run_id, []).append(notice)
         return {"ok": True}
