@@ -265,7 +265,8 @@ def from_nanotron(nanotron_path: str | Path, out: str | Path) -> Path:
     cfg = config_from_dict(raw, f"{folder / 'config.yaml'} (translated)")
     if (out / str(step)).exists():
         raise CheckpointError(f"{out / str(step)}: already exists; choose another --out")
-    weights = nt.to_our_names(nt.read_weights(folder), cfg.model.model_config.tie_word_embeddings)
+    weights = nt.read_model_weights(folder, cfg.model.model_config)
+    tokens = tokens or samples * cfg.tokens.sequence_length  # not recorded (read_position)
     return save_imported(cfg, lambda mc: weights, out, step, samples, tokens)
 
 

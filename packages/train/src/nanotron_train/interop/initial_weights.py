@@ -31,7 +31,7 @@ def _is_nanotron(folder: Path) -> bool:
         return False
 
 
-def read_full_weights(path: str, tied: bool) -> dict[str, torch.Tensor]:
+def read_full_weights(path: str, model_config) -> dict[str, torch.Tensor]:
     """Our global names -> full tensors, from our checkpoint or a Nanotron one."""
     from nanotron_train.interop import nanotron_checkpoint as nt
 
@@ -39,11 +39,11 @@ def read_full_weights(path: str, tied: bool) -> dict[str, torch.Tensor]:
     if (folder / "latest.txt").is_file() and not (folder / "checkpoint_metadata.json").exists():
         folder = folder / (folder / "latest.txt").read_text().strip()
     if _is_nanotron(folder):
-        return nt.to_our_names(nt.read_weights(folder), tied)
+        return nt.read_model_weights(folder, model_config)
     from nanotron_train.inference.model_io import full_model_tensors, open_checkpoint
 
     full = full_model_tensors(open_checkpoint(folder))
-    if tied or "lm_head.weight" not in full:
+    if model_config.tie_word_embeddings or "lm_head.weight" not in full:
         full["lm_head.weight"] = full["embedding.weight"]
     return full
 
@@ -51,7 +51,7 @@ def read_full_weights(path: str, tied: bool) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_initial_weights(model: nn.Module, path: str, model_config, tp_rank: int, tp_size: int):
     """Copy this rank's shards of the checkpoint's weights into `model`; returns how many."""
-    full = read_full_weights(path, model_config.tie_word_embeddings)
+    full = read_full_weights(path, model_config)
     count = 0
     for name, param in model.named_parameters():
         match = _GLOBAL.search(name)

@@ -1,4 +1,5 @@
 """Reading a Nanotron checkpoint: its weights (any tp/pp it was saved with) and its config.
+Its Llama and Qwen2 models (Qwen2-MoE included) name their parameters alike (nanotron_names.py).
 
 Nanotron's layout (src/nanotron/serialize): `<ckpt>/checkpoint_metadata.json` (the step and
 consumed samples under `metas`), `<ckpt>/config.yaml` (its Config), and one safetensors file
@@ -12,7 +13,6 @@ which place each piece of the shard in the full tensor; a replicated parameter h
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from pathlib import Path
@@ -34,6 +34,19 @@ def _slices(text: str) -> tuple[slice, ...]:
         return slice(*(None if x == "None" else int(x) for x in part.split(",")))
 
     return tuple(one(p) for p in text.split("|"))
+
+
+def _shape(text: str, path: Path) -> tuple[int, ...]:
+    """A file's `unsharded_shape`: "(a, b)", each size "np.int64(a)" instead when Nanotron
+    computed it with numpy 2 (its chunked offsets are numpy integers; TensorMetadata reads
+    both spellings)."""
+    sizes = [s.strip() for s in text.strip().strip("()").split(",") if s.strip()]
+    try:
+        return tuple(
+            int(re.fullmatch(r"np\.\w+\((\d+)\)", s)[1]) if "np." in s else int(s) for s in sizes
+        )
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path}: unsharded_shape {text!r} is not a shape") from None
 
 
 def _read_file(path: Path) -> tuple[torch.Tensor, dict]:
@@ -63,7 +76,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         if "unsharded_shape" not in meta:
             out[name] = tensor
             continue
-        shape = tuple(ast.literal_eval(meta["unsharded_shape"]))
+        shape = _shape(meta["unsharded_shape"], paths[0])
         full = torch.empty(shape, dtype=tensor.dtype)
         filled = torch.zeros(shape, dtype=torch.bool)
         for path in paths:
@@ -78,6 +91,33 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def read_model_weights(folder: Path, model_config) -> dict[str, torch.Tensor]:
+    """The model's full weights under our names (read_weights, check_experts, to_our_names)."""
+    weights = read_weights(folder)
+    moe = getattr(model_config, "moe_config", None)
+    check_experts(folder, weights, moe.num_experts if moe is not None else None)
+    return to_our_names(weights, model_config.tie_word_embeddings)
+
+
+def check_experts(folder: Path, weights: dict[str, torch.Tensor], num_experts: int | None) -> None:
+    """Nanotron's routed experts (nn/moe.py's GroupedMLP: `merged_gate_up_proj`
+    [E_local, H, 2I], `merged_down_proj` [E_local, I, H]) are plain parameters, tied over tp
+    and never marked expert-sharded, so at expert_parallel_size > 1 every ep rank writes its
+    own experts to the same unsharded file: one rank's survive. Refused, naming the file."""
+    for name, tensor in weights.items():
+        if not name.endswith((".merged_gate_up_proj", ".merged_down_proj")):
+            continue
+        if num_experts is None or tensor.shape[0] == num_experts:
+            continue  # a dense config: the model's own check names the parameters it lacks
+        *dirs, attr = name.split(".")
+        path = folder / "model" / Path(*dirs) / f"model_{attr}.safetensors"
+        raise CheckpointError(
+            f"{path}: holds {tensor.shape[0]} of moe_config.num_experts={num_experts} experts "
+            "(Nanotron saving at expert_parallel_size > 1 writes each expert-parallel rank's "
+            "experts to this one file, so the others are lost): it cannot be imported"
+        )
+
+
 def to_our_names(weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
     """Nanotron names -> ours; a tied lm_head takes the embedding (stored once)."""
     out, unknown = {}, []
@@ -89,7 +129,7 @@ def to_our_names(weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torc
             out[ours] = tensor
     if unknown:
         raise CheckpointError(
-            f"Nanotron parameters with no Llama counterpart here: {sorted(unknown)[:3]}"
+            f"Nanotron parameters with no counterpart here: {sorted(unknown)[:3]}"
         )
     if tied:
         out.setdefault("lm_head.weight", out.get("embedding.weight"))
@@ -98,12 +138,24 @@ def to_our_names(weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torc
 
 
 def read_position(folder: Path) -> tuple[int, int, int]:
-    """(step, consumed samples, consumed tokens) from checkpoint_metadata.json."""
+    """(step, consumed samples, consumed tokens) from checkpoint_metadata.json.
+
+    Nanotron counts tokens per dataset folder, so a run whose loader fills no folder (or a
+    checkpoint older than `consumed_tokens_total`) records 0 tokens after its samples: then
+    each stage's samples times its sequence length, or 0 when the stages do not say (the
+    caller knows the config's sequence length)."""
     path = folder / "checkpoint_metadata.json"
     try:
         metas = json.loads(path.read_text())["metas"]
         samples = int(metas["consumed_train_samples"])
-        return int(metas["last_train_step"]), samples, int(metas.get("consumed_tokens_total") or 0)
+        tokens = int(metas.get("consumed_tokens_total") or 0)
+        if tokens < samples:
+            stages = metas.get("data_stages") or []
+            tokens = sum(
+                int(s["consumed_train_samples"]) * int(s["sequence_length"]) for s in stages
+            )
+            tokens = tokens if tokens >= samples else 0
+        return int(metas["last_train_step"]), samples, tokens
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{path}: missing or not Nanotron's checkpoint metadata ({exc})"
