@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from nanotron_dashboard.app import Settings, create_app
 
-RESOLVE_BOUND = 256  # lstat calls one run_start may make: twice paths.MAX_STEPS
+RESOLVE_BOUND = 96  # lstat calls one run_start may make: twice paths.MAX_STEPS
 
 
 def post(c, msg):

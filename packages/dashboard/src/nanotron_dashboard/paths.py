@@ -19,7 +19,7 @@ import hashlib
 import os
 import stat
 
-MAX_STEPS = 128  # components looked at (real checkpoint paths have ~10; symlinks add theirs)
+MAX_STEPS = 48  # components looked at (real checkpoint paths have ~10; symlinks add theirs)
 MAX_LINKS = 40  # symlinks followed, as the kernel's own limit
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 
