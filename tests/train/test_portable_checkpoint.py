@@ -5,8 +5,8 @@ and data with paths relative to its folder. Then, from another folder: the check
 holds absolute paths, `generate` and `convert to-hf` work with the checkpoint's absolute path,
 `--tokenizer` replaces a tokenizer that moved, and to-hf writes the config's token ids.
 Resuming the final checkpoint says that tokens.train_steps is reached and how to go on.
-Before any worker: a missing dataset folder and a token id that is not a special token of the
-tokenizer are one line naming the key and the config file.
+Before any worker: a missing dataset folder is one line naming the key and the config file, and
+a token id that is not a special token of the tokenizer one warning (training goes on).
 """
 
 from __future__ import annotations
@@ -156,15 +156,56 @@ def test_missing_dataset_folder_is_named_by_key_before_any_worker(run_dir, monke
     assert err.count("\n") == 1
 
 
-def test_token_id_that_is_not_a_special_token_is_refused(run_dir, monkeypatch, capsys):
+def test_token_ids_that_are_not_special_tokens_train_with_one_warning(run_dir, monkeypatch, capsys):
+    """Nanotron's bos_token_id 1 (`'!'` in this BPE) trains, with one warning from one process
+    naming the key and what export and generation use instead; an id left out means the
+    tokenizer's: no warning."""
+    import torch.distributed.run
+
+    from nanotron_train.__main__ import QUIET_ENV, _warner
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.config.token_ids import generation_eos, ids_for_export
+    from nanotron_train.data import load_tokenizer
+    from nanotron_train.launch import main as launch_main
+
     monkeypatch.chdir(run_dir)
     capsys.readouterr()
-    argv = ["--config-file", "cfg.yaml", "--override", "model.model_config.bos_token_id=1"]
-    assert train_main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: cfg.yaml (with --override): model.model_config.bos_token_id: ")
-    assert "1 is '!' in the tokenizer" in err and "<|endoftext|>=0" in err
-    assert err.count("\n") == 1
+    argv = ["--config-file", "cfg.yaml", "--override", "checkpoints.checkpoints_path=null",
+            "--override", "model.model_config.bos_token_id=1"]  # fmt: skip
+    assert train_main(argv) == 0
+    expected = (
+        "warning: cfg.yaml (with --override): model.model_config.bos_token_id=1 ('!') is not a "
+        f"special token of the tokenizer {run_dir / 'tok' / 'tokenizer.json'} (its special "
+        "tokens: <|endoftext|>=0): training goes on, but export and generation use "
+        "bos_token_id=0 (<|endoftext|>) instead; set it to a special token, or null for the "
+        "tokenizer's"
+    )
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "warning" in line] == [expected]
+    assert "iteration: 2 / 2" in captured.out
+    # nanotron_train.launch prints it before starting the workers, which stay quiet
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: None)
+    monkeypatch.delenv(QUIET_ENV, raising=False)  # launch sets it: unset again after the test
+    assert launch_main(["--nproc_per_node=1", *argv]) == 0
+    assert capsys.readouterr().err == expected + "\n"
+    monkeypatch.delenv(QUIET_ENV)
+    assert _warner(0) is not None and _warner(1) is None  # under torchrun: rank 0's
+    monkeypatch.setenv(QUIET_ENV, "1")
+    assert _warner(0) is None
+    # left out: the tokenizer's, for training, export and generation alike
+    raw = yaml.safe_load((run_dir / "cfg.yaml").read_text())
+    for key in ("bos_token_id", "eos_token_id"):
+        del raw["model"]["model_config"][key]
+    mc = config_from_dict(raw).model.model_config
+    tok = load_tokenizer(str(run_dir / "tok"))
+    assert (mc.bos_token_id, mc.eos_token_id) == (None, None)
+    assert ids_for_export(mc, tok) == ({"bos_token_id": 0, "eos_token_id": 0,
+                                        "pad_token_id": None}, [])  # fmt: skip
+    assert generation_eos(mc, tok) == 0
+    (run_dir / "cfg-no-ids.yaml").write_text(yaml.safe_dump(raw))
+    assert train_main(["--config-file", "cfg-no-ids.yaml", "--override",
+                       "checkpoints.checkpoints_path=null"]) == 0  # fmt: skip
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_to_hf_replaces_an_old_checkpoints_ordinary_token_ids_with_a_note(run_dir):

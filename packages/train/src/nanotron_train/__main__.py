@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from nanotron_train.config.load import load_config
 from nanotron_train.config.training_inputs import prepare_for_training
@@ -68,6 +69,14 @@ def _report(line: str, rank: int) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _warner(rank: int) -> Callable[[str], None] | None:
+    """Where a config warning goes: stderr of rank 0, or nowhere under nanotron_train.launch
+    (which printed it before starting the workers)."""
+    if rank != 0 or os.environ.get(QUIET_ENV):
+        return None
+    return lambda line: print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -75,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_launcher()  # a torchrun worker exits when torchrun dies (fault/launcher.py)
     try:
         cfg = load_config(args.config_file, overrides_of(args), world_size=world_size)
-        cfg = prepare_for_training(cfg, args.config_file, overrides_of(args))
+        cfg = prepare_for_training(cfg, args.config_file, overrides_of(args), _warner(rank))
         from nanotron_train.reporting.metrics import check_optional_sinks
         from nanotron_train.trainer import train
 

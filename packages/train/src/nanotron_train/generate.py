@@ -61,6 +61,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, pc) -> dict:
     """Generate on every rank of `pc` (tp ranks only); returns the report (same on all ranks)."""
+    from nanotron_train.config.token_ids import generation_eos
     from nanotron_train.inference.decoding import generate
     from nanotron_train.inference.model_io import load_model, load_tokenizer_of, open_checkpoint
     from nanotron_train.inference.sampling import SamplingParams
@@ -69,7 +70,9 @@ def run(args: argparse.Namespace, pc) -> dict:
     prompts = read_prompts(args)
     ckpt = open_checkpoint(args.ckpt_path, args.tokenizer)
     tok = load_tokenizer_of(ckpt)
-    eos = tok.eos_token_id
+    # The EOS a Hugging Face export of this checkpoint would write (token_ids.py): the config's
+    # where it is a special token of the tokenizer, else the tokenizer's own.
+    eos = generation_eos(ckpt.model_config, tok)
     # An empty prompt starts a new document: EOS is what precedes one in the training data.
     ids = [tok.encode(p) or [eos] for p in prompts]
     model = load_model(ckpt, pc, DTYPES[args.dtype] if args.dtype else None)

@@ -33,6 +33,10 @@ def _world_size(args: argparse.Namespace) -> int | None:
         return None
 
 
+def _print(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args([*torchrun_args, "-m", "nanotron_train", *forwarded])
     try:
         cfg = load_config(mine.config_file, overrides_of(mine), _world_size(args))
-        prepare_for_training(cfg, mine.config_file, overrides_of(mine))  # data exists, ids
+        prepare_for_training(cfg, mine.config_file, overrides_of(mine), warn=_print)  # data
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

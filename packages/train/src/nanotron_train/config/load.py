@@ -34,9 +34,20 @@ def config_from_dict(
     data: dict[str, Any], source: str = "<config>", world_size: int | None = None
 ) -> Config:
     """Typed config from a raw mapping, validated (world size checked when given)."""
-    cfg = from_dict(Config, data, "", source)
+    cfg = from_dict(Config, _token_ids_default_to_the_tokenizers(data), "", source)
     cfg.general.run = expand_run_name(cfg.general.run)
     return validate(cfg, source, world_size)
+
+
+def _token_ids_default_to_the_tokenizers(data: dict[str, Any]) -> dict[str, Any]:
+    """A bos/eos_token_id left out of model_config means the tokenizer's (null), not the model
+    classes' defaults (Nanotron's 1 and 2, ordinary tokens of most tokenizers: token_ids.py)."""
+    model = data.get("model")
+    mc = model.get("model_config") if isinstance(model, dict) else None
+    if not isinstance(mc, dict):
+        return data
+    ids = {"bos_token_id": None, "eos_token_id": None}
+    return {**data, "model": {**model, "model_config": {**ids, **mc}}}
 
 
 def load_config(

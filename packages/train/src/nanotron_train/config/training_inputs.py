@@ -1,5 +1,5 @@
 """A training config's inputs, settled before any worker starts: paths made absolute, dataset
-folders present, special token ids those of the tokenizer.
+folders present, special token ids compared with the tokenizer's.
 
 `python -m nanotron_train` (every rank) and `python -m nanotron_train.launch` (before spawning)
 call `prepare_for_training` right after loading the config:
@@ -9,14 +9,16 @@ call `prepare_for_training` right after loading the config:
    paths and `generate`, `convert to-hf` and `evaluate` work from any folder.
 2. A dataset folder that exists neither where it is named nor at its `dataset_read_path` is
    one error naming its key and the config file, at once (not after the workers started).
-3. With a tokenizer readable here, `model.model_config.{bos,eos,pad}_token_id` must be its
-   special tokens (token_ids.py). An unreadable tokenizer is left to the data path, which
-   needs it only for real data (a synthetic run may name a tokenizer it never reads).
+3. With a tokenizer readable here, a `model.model_config.{bos,eos,pad}_token_id` that is not
+   one of its special tokens trains, with one warning (token_ids.py) handed to `warn`: the
+   callers give it to one process only. An unreadable tokenizer is left to the data path,
+   which needs it only for real data (a synthetic run may name a tokenizer it never reads).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,11 @@ def config_source(config_file: str, overrides: list[str] | tuple[str, ...]) -> s
     return f"{config_file} (with --override)" if overrides else str(config_file)
 
 
-def prepare_for_training(cfg: Any, config_file: str, overrides=()) -> Any:
-    """`cfg` with absolute input paths, checked (ConfigError naming the key and the file)."""
+def prepare_for_training(
+    cfg: Any, config_file: str, overrides=(), warn: Callable[[str], None] | None = None
+) -> Any:
+    """`cfg` with absolute input paths, checked (ConfigError naming the key and the file);
+    `warn` gets each warning line (none are made without it)."""
     source = config_source(config_file, overrides)
     tok = cfg.tokenizer
     if tok.tokenizer_name_or_path and Path(tok.tokenizer_name_or_path).expanduser().exists():
@@ -38,7 +43,8 @@ def prepare_for_training(cfg: Any, config_file: str, overrides=()) -> Any:
         _settle_dataset(stage.data.dataset, f"data_stages.{i}.data.dataset", source)
     if cfg.validation is not None:
         _settle_dataset(cfg.validation.dataset, "validation.dataset", source)
-    _check_token_ids(cfg, source)
+    if warn is not None:
+        _warn_token_ids(cfg, source, warn)
     return cfg
 
 
@@ -68,8 +74,8 @@ def _settle_dataset(ds: Any, key: str, source: str) -> None:
     ds.dataset_folder = [_absolute(f) for f in folders] if ds.dataset_folder else ds.dataset_folder
 
 
-def _check_token_ids(cfg: Any, source: str) -> None:
-    from nanotron_train.config.token_ids import token_id_problems
+def _warn_token_ids(cfg: Any, source: str, warn: Callable[[str], None]) -> None:
+    from nanotron_train.config.token_ids import token_id_warning
     from nanotron_train.data import DataError, load_tokenizer
 
     tok_args = cfg.tokenizer
@@ -79,7 +85,6 @@ def _check_token_ids(cfg: Any, source: str) -> None:
         tok = load_tokenizer(tok_args.tokenizer_name_or_path, tok_args.tokenizer_revision)
     except DataError:
         return
-    problems = token_id_problems(cfg.model.model_config, tok)
-    if problems:
-        key, problem = problems[0]
-        raise ConfigError(f"model.model_config.{key}", problem, source)
+    line = token_id_warning(cfg.model.model_config, tok)
+    if line is not None:
+        warn(f"warning: {source}: {line}")
