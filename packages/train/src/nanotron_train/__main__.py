@@ -1,8 +1,9 @@
 """`python -m nanotron_train --config-file X.yaml [--override section.key=value ...]`.
 
 Also under torchrun. A user error (bad config, data, layout) prints one line naming the key
-and the file, from rank 0 only, and exits with status 2; no traceback. (torchrun itself then
-reports the failure and exits with 1: `python -m nanotron_train.launch` does not.)
+and the file, once per node whichever rank stops first (launching/first_report.py), and exits
+with status 2; no traceback. (torchrun itself then reports the failure and exits with 1:
+`python -m nanotron_train.launch` does not.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nanotron_train.config.load import load_config
 from nanotron_train.config.training_inputs import prepare_for_training
 from nanotron_train.fault.errors import TrainingStopped
 from nanotron_train.fault.launcher import watch_launcher
+from nanotron_train.launching.first_report import report_first
 from nanotron_train.process_exit import exit_process
 
 
@@ -58,15 +60,16 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> None:
 QUIET_ENV = "NANOTRON_LAUNCHER"  # set by nanotron_train.launch for its workers
 
 
-def _report(line: str, rank: int) -> None:
-    """Rank 0 prints the line; under nanotron_train.launch every rank hands it to the launcher
-    in torchrun's error file instead (the first to fail is the one shown)."""
+def _report(line: str) -> None:
+    """The first rank of the node to fail prints the line (first_report.py); under
+    nanotron_train.launch every rank hands it to the launcher in torchrun's error file instead
+    (the first to fail is the one shown)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if os.environ.get(QUIET_ENV) and error_file:
         with open(error_file, "w") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
-    elif rank == 0:
-        print(line, file=sys.stderr, flush=True)
+    else:
+        report_first(line)
 
 
 def _warner(rank: int) -> Callable[[str], None] | None:
@@ -92,11 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
         train(cfg)
     except ValueError as exc:
-        _report(f"error: {exc}", rank)
+        _report(f"error: {exc}")
         return 2
     except TrainingStopped as exc:  # a policy stopped the run: the same line on every rank
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_first(f"error: {exc}")
         return 1
     except KeyboardInterrupt:
         return 130

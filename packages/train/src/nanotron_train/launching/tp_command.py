@@ -1,12 +1,12 @@
 """The launch of the checkpoint commands (generate, evaluate): one tensor-parallel group of every
 process the launch started (torchrun or a plain `python -m`; generate may split them into
 pipeline stages of tp groups), no gradients, and the project's
-rule for user errors: a ValueError is one line from rank 0 and exit status 2."""
+rule for user errors: a ValueError is one line (once per node under torchrun, whichever rank
+stops first: first_report.py) and exit status 2."""
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +42,9 @@ def run_over_tp(
         with torch.no_grad():
             report = work(pc)
     except ValueError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        from nanotron_train.launching.first_report import report_first
+
+        report_first(f"error: {exc}")
         return 2, None
     except KeyboardInterrupt:
         return 130, None

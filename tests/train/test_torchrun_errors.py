@@ -1,0 +1,62 @@
+"""Under plain `torchrun --nproc_per_node=8 -m nanotron_train --config-file bad.yaml` a config
+error is printed once, every time, whichever rank stops first (launching/first_report.py):
+an unknown key, a wrong type and an unknown pp_engine, each launched as is (any rank may exit
+first) and with local rank 0 held back (another rank surely exits first and torchrun stops rank
+0: where rank 0 alone printed, the line was lost every time)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.train.test_cli import small_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _unknown_key(data: dict) -> str:
+    data["general"]["bogus"] = 1
+    return "general.bogus: unknown key (allowed here: "
+
+
+def _wrong_type(data: dict) -> str:
+    data["tokens"]["sequence_length"] = "long"
+    return "tokens.sequence_length: expected an integer, got str 'long'"
+
+
+def _unknown_engine(data: dict) -> str:
+    data["parallelism"]["pp_engine"] = "zigzag"
+    return "parallelism.pp_engine: must be one of ['afab', '1f1b', "
+
+
+def torchrun(module: str, config: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "NANOTRON_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+         "-m", module, "--config-file", str(config)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+        env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_error", [_unknown_key, _wrong_type, _unknown_engine])
+def test_config_error_is_printed_once_whichever_rank_exits_first(tmp_path, make_error):
+    data = small_config(tmp_path, parallelism__dp=8)
+    expected = make_error(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    line = f"error: {path}: {expected}"
+    for module in ("nanotron_train", "tests.train.staggered_main"):
+        proc = torchrun(module, path)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 1, output[-3000:]  # torchrun's status for a failed worker
+        assert output.count(f"error: {path}:") == 1, f"{module}:\n{output[-3000:]}"
+        assert line in output
+        assert "exitcode: 2" in output  # the first worker to exit exited with the user error
+        assert 'File "' + str(REPO / "packages") not in output  # no traceback of ours
