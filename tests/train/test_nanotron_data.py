@@ -111,6 +111,34 @@ def test_nanoset_keys_on_both_formats(tmp_path):
     assert same(data([bare], token_size_in_bytes=2), data([write_ours(tmp_path / "ns1", a1)]))
 
 
+def test_tokenizer_name_is_compared_by_what_it_loads(tmp_path):
+    """A tokenizer named by its folder, its tokenizer.json or a name recorded by datatrove is
+    the same tokenizer: the file contents decide (our metadata records their sha256)."""
+    from nanotron_train.data.datatrove import check_tokenizer_name
+    from nanotron_train.data.testing import make_tokenizer, tiny_texts
+    from nanotron_train.data.tokenizer import file_sha256
+
+    tok = make_tokenizer(tmp_path / "tok", tiny_texts(20))
+    other = make_tokenizer(tmp_path / "other", tiny_texts(20, seed=1), vocab_size=280)
+    file, sha = tok / "tokenizer.json", file_sha256(tok / "tokenizer.json")
+    for name in (str(tok), str(file), str(tmp_path / "." / "tok")):
+        assert check_tokenizer_name("ns", name, str(file), {"sha256": sha}) is None  # ours
+        assert check_tokenizer_name("dt", name, str(tok), {}) is None  # datatrove's: a name
+    with pytest.raises(DataError) as err:
+        check_tokenizer_name("ns", str(other), str(file), {"sha256": sha})
+    theirs = file_sha256(other / "tokenizer.json")
+    assert str(err.value) == (
+        f"ns: tokenizer_name is '{other}' but the folder was tokenized with '{file}', and they "
+        f"are different tokenizers (sha256 {theirs[:12]} and {sha[:12]})"
+    )
+    with pytest.raises(DataError) as err:
+        check_tokenizer_name("dt", str(tok), "org/absent", {})
+    assert str(err.value) == (
+        f"dt: tokenizer_name is '{tok}' but the folder was tokenized with 'org/absent', and "
+        "'org/absent' is not readable here to compare them by content"
+    )
+
+
 # ---- a Nanotron checkpoint, in its layout, imported with `convert from-nanotron` ----------
 
 NT_QKV = "model.decoder.{i}.pp_block.attn.qkv_proj.weight"

@@ -21,6 +21,7 @@ import numpy as np
 
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.nanoset import METADATA_FILE, Nanoset
+from nanotron_train.data.tokenizer import tokenizer_file_sha256
 
 DS_SUFFIX = ".ds"
 DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
@@ -162,12 +163,31 @@ def open_tokenized_folder(folder: str | os.PathLike, spec, seed: int, model_voca
                 f"{folder}: token_size_in_bytes is {spec.token_size_in_bytes} but its tokens are "
                 f"{ns.dtype.name} ({ns.dtype.itemsize} bytes)"
             )
-    if spec.tokenizer_name is not None and recorded is not None and spec.tokenizer_name != recorded:
-        raise DataError(
-            f"{folder}: tokenizer_name is {spec.tokenizer_name!r} but the folder was tokenized "
-            f"with {recorded!r}"
-        )
+    if spec.tokenizer_name is not None and recorded is not None:
+        check_tokenizer_name(folder, spec.tokenizer_name, recorded, ns.metadata.tokenizer)
     return ns
+
+
+def check_tokenizer_name(folder, name: str, recorded: str, meta: dict) -> None:
+    """`tokenizer_name` names the tokenizer the folder was tokenized with (`recorded`), however
+    each is written (a folder and its tokenizer.json, a hub name and its cached file): the same
+    string, or the same tokenizer.json content (the sha256 the metadata records, else that of
+    the file the recorded name loads)."""
+    if name == recorded:
+        return
+    mine = tokenizer_file_sha256(name)
+    theirs = meta.get("sha256") or tokenizer_file_sha256(recorded)
+    if mine is not None and mine == theirs:
+        return
+    if mine is None or theirs is None:
+        missing = name if mine is None else recorded
+        why = f"{missing!r} is not readable here to compare them by content"
+    else:
+        why = f"they are different tokenizers (sha256 {mine[:12]} and {theirs[:12]})"
+    raise DataError(
+        f"{folder}: tokenizer_name is {name!r} but the folder was tokenized with {recorded!r}, "
+        f"and {why}"
+    )
 
 
 def keep_first_tokens(ns, n: int) -> None:

@@ -90,6 +90,14 @@ def _resolve_tokenizer_file(name_or_path: str, revision: str | None = None) -> P
     )
 
 
+def tokenizer_file_sha256(name_or_path: str) -> str | None:
+    """sha256 of the tokenizer.json that `name_or_path` loads; None when it is not found here."""
+    try:
+        return file_sha256(_resolve_tokenizer_file(str(name_or_path)))
+    except DataError:
+        return None
+
+
 def load_tokenizer(name_or_path: str, revision: str | None = None) -> LoadedTokenizer:
     """Load a tokenizer from a local folder, a tokenizer.json file or the local HF cache
     (`revision`: a branch, tag or commit of the hub name, as cached)."""

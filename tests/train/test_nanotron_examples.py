@@ -1,0 +1,178 @@
+"""Nanotron's own configs (tests/train/nanotron/, committed unchanged: SOURCE.md) train through
+the command a Nanotron user runs, with the quickstart's tokenizer and only sizes, layout and
+paths changed by --override.
+
+The tokenizer is the quickstart's (`prepare_default_corpus`: a byte-level BPE trained on
+Python's standard library, here on three of its files). The configs keep Nanotron's token ids,
+bos 1 and eos 2: `'!'` and `'"'` in that BPE, not special tokens. Each run trains, and says so
+in one warning line, from one process, naming the keys and what export and generation use
+instead (token_ids.py). The Qwen examples name their Nanoset's tokenizer
+(`dataset.tokenizer_name`) by its folder, while the Nanoset's metadata records the
+tokenizer.json inside it: the same tokenizer, accepted. config_custom_dl.yaml keeps its layout
+(dp=2) under plain torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from nanotron_parallel.testing import shared_default_group
+from nanotron_train.__main__ import main as train_main
+
+HERE = Path(__file__).parent / "nanotron"
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> SimpleNamespace:
+    """The quickstart's tokenizer and Nanoset, made as `make run` makes them, from 3 files."""
+    from nanotron_train.data import load_tokenizer
+    from nanotron_train.data.corpus import prepare_default_corpus
+
+    root = tmp_path_factory.mktemp("quickstart")
+    corpus = root / "corpus-py"
+    corpus.mkdir()
+    for name in ("textwrap.py", "shlex.py", "colorsys.py"):
+        shutil.copy(Path(textwrap.__file__).parent / name, corpus / name)
+    tok, nanoset = prepare_default_corpus(
+        str(root / "cache"), root=str(corpus), progress=False, num_workers=1
+    )
+    vocab = load_tokenizer(str(tok)).vocab_size
+    return SimpleNamespace(corpus=corpus, tokenizer=tok, nanoset=nanoset, vocab=vocab)
+
+
+def warning(config: Path, q: SimpleNamespace) -> str:
+    """The one line each run prints: Nanotron's ids against the quickstart's BPE."""
+    tok_file = (q.tokenizer / "tokenizer.json").resolve()
+    return (
+        f"warning: {config} (with --override): model.model_config.bos_token_id=1 ('!') and "
+        "model.model_config.eos_token_id=2 ('\"') are not special tokens of the tokenizer "
+        f"{tok_file} (its special tokens: <|endoftext|>=0): training goes on, but export and "
+        "generation use bos_token_id=0 (<|endoftext|>), eos_token_id=0 (<|endoftext|>) "
+        "instead; set them to special tokens, or null for the tokenizer's"
+    )
+
+
+def common(q: SimpleNamespace) -> list[str]:
+    """Every run: the quickstart tokenizer (and the model's vocabulary its size), one process,
+    the metrics in a file to read."""
+    return [
+        f"tokenizer.tokenizer_name_or_path={q.tokenizer}",
+        f"model.model_config.vocab_size={q.vocab}",
+        "parallelism.dp=1",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "logging.metrics_file=metrics.jsonl",
+    ]
+
+
+def qwen(q: SimpleNamespace) -> list[str]:
+    """The Qwen examples: a small model, short sequences, 3 steps, their Nanoset stage on the
+    quickstart's Nanoset (uint16 tokens), its tokenizer named by its folder."""
+    ds = "data_stages.0.data.dataset"
+    mc = "model.model_config"
+    return [
+        f"{mc}.hidden_size=32", f"{mc}.intermediate_size=64", f"{mc}.num_hidden_layers=2",
+        f"{mc}.num_attention_heads=4", f"{mc}.num_key_value_heads=2",
+        "tokens.sequence_length=32", "tokens.train_steps=3",
+        f"{ds}.dataset_folder=[{q.nanoset}]", f"{ds}.tokenizer_name={q.tokenizer}",
+        f"{ds}.vocab_size={q.vocab}", f"{ds}.token_size_in_bytes=2",
+    ]  # fmt: skip
+
+
+EXAMPLES = {
+    # its two stages read a raw Hugging Face dataset: the quickstart's files instead
+    "config_tiny_llama.yaml": lambda q: [
+        f"data_stages.{i}.data.dataset.hf_dataset_or_datasets={q.corpus}" for i in (0, 1)
+    ],
+    "config_qwen.yaml": qwen,
+    "config_qwen_with_moe.yaml": lambda q: [
+        *qwen(q),
+        "model.model_config.moe_config.moe_intermediate_size=16",
+        "model.model_config.moe_config.shared_expert_intermediate_size=24",
+        "checkpoints.checkpoints_path=checkpoints",  # its own is on Nanotron's cluster
+    ],
+}
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_trained(folder: Path, raw: dict, q: SimpleNamespace) -> None:
+    """Every step logged from a uniform start; the final checkpoint keeps Nanotron's ids."""
+    steps = [r["step"] for r in records(folder)]
+    losses = [r["lm_loss"] for r in records(folder)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    assert losses[0] == pytest.approx(math.log(q.vocab), abs=0.1)  # std 0.025: ~uniform
+    assert all(math.isfinite(x) for x in losses)
+    saved = yaml.safe_load((folder / "checkpoints" / str(steps[-1]) / "config.yaml").read_text())
+    mc = saved["model"]["model_config"]
+    assert (mc["bos_token_id"], mc["eos_token_id"]) == (1, 2)
+    assert raw["model"]["model_config"]["bos_token_id"] == 1  # as committed
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_nanotron_example_trains_with_the_quickstart_tokenizer(
+    name, quickstart, tmp_path, monkeypatch, capsys
+):
+    config = HERE / name
+    raw = yaml.safe_load(config.read_text())
+    monkeypatch.chdir(tmp_path)  # checkpoints/, .cache/data/ and the metrics file land here
+    argv = ["--config-file", str(config)]
+    for assignment in [*common(quickstart), *EXAMPLES[name](quickstart)]:
+        argv += ["--override", assignment]
+    capsys.readouterr()
+    with shared_default_group():
+        assert train_main(argv) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "warning" in line] == [warning(config, quickstart)]
+    check_trained(tmp_path, raw, quickstart)
+
+
+def test_custom_dataloader_example_trains_under_torchrun_with_its_layout(quickstart, tmp_path):
+    """config_custom_dl.yaml at dp=2 as Nanotron launches it: a synthetic stage (its `dataset:
+    null`), then at step 10 the raw dataset (the quickstart's files); one warning from the two
+    processes. Then what export and generation use is what the warning said."""
+    from nanotron_train.config.token_ids import generation_eos, ids_for_export
+    from nanotron_train.data import load_tokenizer
+    from nanotron_train.inference.model_io import open_checkpoint
+
+    config = HERE / "config_custom_dl.yaml"
+    argv = ["--config-file", str(config)]
+    for assignment in [
+        f"tokenizer.tokenizer_name_or_path={quickstart.tokenizer}",
+        f"model.model_config.vocab_size={quickstart.vocab}",
+        f"data_stages.1.data.dataset.hf_dataset_or_datasets={quickstart.corpus}",
+        "logging.metrics_file=metrics.jsonl",
+    ]:
+        argv += ["--override", assignment]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "NANOTRON_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "nanotron_train", *argv],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if "warning: " in line] == [
+        warning(config, quickstart)
+    ]
+    raw = yaml.safe_load(config.read_text())
+    check_trained(tmp_path, raw, quickstart)
+    assert len(records(tmp_path)) == raw["tokens"]["train_steps"]  # 15: both stages
+    ckpt = open_checkpoint(tmp_path / "checkpoints")
+    tok = load_tokenizer(str(quickstart.tokenizer))
+    ids, notes = ids_for_export(ckpt.model_config, tok)
+    assert ids == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
+    assert generation_eos(ckpt.model_config, tok) == 0 and len(notes) == 2
