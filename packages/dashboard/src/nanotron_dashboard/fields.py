@@ -36,8 +36,11 @@ RunId = Annotated[
 Int64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # time axes: NaN/inf would poison every x=time or x=tokens view of the run
 Finite = Annotated[float, Field(allow_inf_nan=False)]
-Text = Annotated[str, StringConstraints(max_length=200, pattern=r"^[^\x00]*$")]
-PathText = Annotated[str, StringConstraints(max_length=4096, pattern=r"^[^\x00]*$")]
+# No NUL in any text a message brings: PostgreSQL's text cannot hold one (SQLite's can), and
+# both backends refuse the same (tests/dashboard/test_nul_bytes.py walks every message).
+NO_NUL = r"^[^\x00]*$"
+Text = Annotated[str, StringConstraints(max_length=200, pattern=NO_NUL)]
+PathText = Annotated[str, StringConstraints(max_length=4096, pattern=NO_NUL)]
 # no control characters, and no comma: `names=` lists metric names comma-separated
 MetricName = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f,]+$")

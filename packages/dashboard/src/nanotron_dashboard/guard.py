@@ -9,6 +9,8 @@ browser then thinks the dashboard *is* that site and lets the page read it. The 
 - Origin: a request or websocket handshake whose Origin is not the dashboard's own is
   refused with 403. Browsers send Origin on every state-changing request and every websocket
   handshake; trainers, curl and scripts send none.
+- NUL bytes: a path or query parameter holding one is refused (404, 400) before any route
+  reads it, the same on SQLite and PostgreSQL (whose text cannot hold one).
 - Headers: CSP `default-src 'self'` and `frame-ancestors 'none'` plus `X-Frame-Options: DENY`
   (no clickjacking of the Resume button), `Cross-Origin-Resource-Policy: same-origin` (no
   cross-site reads of responses) and `Referrer-Policy: no-referrer`.
@@ -20,6 +22,7 @@ import ipaddress
 import json
 import socket
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 Scope = dict[str, Any]
 
@@ -115,6 +118,17 @@ def security_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def nul_in_url(scope: Scope) -> tuple[int, str] | None:
+    """A NUL byte in the path or a query parameter: PostgreSQL's text cannot hold one (its
+    driver fails the statement), SQLite's can. Refused here, for every route on both
+    backends: a path with one names nothing (404), a query parameter is refused (400)."""
+    if "\x00" in scope.get("path", ""):
+        return 404, "not found (a NUL byte in the path)"
+    if b"\x00" in unquote_to_bytes(scope.get("query_string", b"")):
+        return 400, "a NUL byte in the query string: no parameter may hold one"
+    return None
+
+
 class BrowserGuard:
     """ASGI middleware, outermost: runs before the token check and every route."""
 
@@ -142,6 +156,9 @@ class BrowserGuard:
             return await refuse(
                 scope, send, 403, f"cross-origin request refused (Origin {origin[:100]!r})"
             )
+        nul = nul_in_url(scope)
+        if nul is not None:
+            return await refuse(scope, send, *nul)
         if scope["type"] == "websocket":
             return await self.app(scope, receive, send)
         extra = security_headers(scope)

@@ -19,6 +19,7 @@ from .fields import (  # noqa: F401 - re-exported: other modules import the limi
     MAX_JSON_DEPTH,
     MAX_MESSAGE_BYTES,
     MAX_METRIC_NAMES,
+    NO_NUL,
     Config,
     Finite,
     Int64,
@@ -53,7 +54,9 @@ class RunStart(Msg):
     checkpoints_path: PathText | None = None
     resumed_from: ResumedFrom | None = None
     # One token per launch: a run continued by a restarted launch has several attempts.
-    attempt: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+    attempt: (
+        Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)] | None
+    ) = None
     time: Finite | None = None
 
 
