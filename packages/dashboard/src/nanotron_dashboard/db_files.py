@@ -98,6 +98,10 @@ def _open_private(path: str) -> int:
     if os.path.isdir(path):
         raise DatabaseFileError(f"--db {path}: is a directory, not a database file")
     check_folder(os.path.dirname(os.path.realpath(path)))
+    if lst is not None and stat.S_ISREG(lst.st_mode):
+        # before opening: a kernel with protected_regular refuses O_CREAT on another user's
+        # file in a sticky folder with a bare EACCES; the fstat below closes the race
+        check_private(lst, f"--db {path}")
     # O_NONBLOCK: a FIFO planted in its place must not block the start (fstat refuses it)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     try:

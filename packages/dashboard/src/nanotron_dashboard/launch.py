@@ -63,13 +63,15 @@ def plan(conn: Connection, checkpoint_id: int, signer: GrantSigner) -> Plan | No
     ).first()
     if row is None:
         return None
-    path, run_id, command, cwd, ck_root, mac = row[0], row[1], row[5], row[6], row[7], row[8]
+    path, run_id = row[0], row[1]
+    stored, granted, mac = tuple(row[2:5]), tuple(row[5:8]), row[8]  # (command, cwd, root)
+    command, cwd, ck_root = granted
     if command is None:
         raise NotGranted(
             f"run {run_id!r} may not be launched from here: its run_start was not sent with "
             "the launch token"
         )
-    why = tampered(signer, run_id, tuple(row[2:5]), (command, cwd, ck_root), mac)
+    why = tampered(signer, run_id, stored, granted, mac)
     if why is not None:
         log.error(
             "dashboard: refused to launch checkpoint %d of run %r: %s", checkpoint_id, run_id, why
