@@ -188,7 +188,10 @@ def test_a_grant_rewritten_in_the_database_is_not_launched(db_url, tmp_path, mon
                 r = _resume(c, ids[run])
                 assert r.status_code == 403, (run, r.text)
                 assert "outside the dashboard" in r.json()["detail"], (run, r.text)
-        assert _resume(c, ids["kept"]).status_code == 202
+        kept = _resume(c, ids["kept"])
+        assert kept.status_code == 202, kept.text
+        log = kept.json()["log"]  # beside the file, or under ~/.cache for PostgreSQL
+        assert _mode(log) == 0o600 and _mode(os.path.dirname(log)) == 0o700
     refusals = [r for r in caplog.records if "refused to launch" in r.getMessage()]
     assert len(refusals) == len(REWRITES)
     time.sleep(0.5)
