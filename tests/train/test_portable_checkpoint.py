@@ -208,6 +208,22 @@ def test_token_ids_that_are_not_special_tokens_train_with_one_warning(run_dir, m
     assert "warning" not in capsys.readouterr().err
 
 
+def test_generation_stops_at_the_eos_the_export_writes(run_dir):
+    """The config's eos where it is a special token (here one added beside <|endoftext|>),
+    else the tokenizer's: generation (generate, samples) and export use the same id."""
+    from nanotron_models import LlamaConfig
+    from nanotron_train.config.token_ids import generation_eos, ids_for_export
+    from nanotron_train.data import load_tokenizer
+
+    tok = load_tokenizer(str(run_dir / "tok"))
+    tok.tokenizer.add_special_tokens(["<|im_end|>"])
+    im_end = tok.tokenizer.token_to_id("<|im_end|>")
+    for eos, expected in ((im_end, im_end), (2, 0), (None, 0)):
+        mc = LlamaConfig(vocab_size=320, eos_token_id=eos)
+        assert generation_eos(mc, tok) == expected == ids_for_export(mc, tok)[0]["eos_token_id"]
+    assert im_end == 300 and tok.eos_token_id == 0
+
+
 def test_to_hf_replaces_an_old_checkpoints_ordinary_token_ids_with_a_note(run_dir):
     from nanotron_models import LlamaConfig
     from nanotron_train.config.token_ids import ids_for_export

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, pc) -> dict:
     # where it is a special token of the tokenizer, else the tokenizer's own.
     eos = generation_eos(ckpt.model_config, tok)
     # An empty prompt starts a new document: EOS is what precedes one in the training data.
-    ids = [tok.encode(p) or [eos] for p in prompts]
+    ids = [tok.encode(p) or [tok.eos_token_id] for p in prompts]
     model = load_model(ckpt, pc, DTYPES[args.dtype] if args.dtype else None)
     res = generate(model, ids, args.max_new_tokens, sampling, eos_token_id=eos, pad_token_id=eos)
     items = []

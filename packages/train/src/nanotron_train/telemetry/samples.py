@@ -22,6 +22,7 @@ from contextlib import nullcontext
 
 import torch
 
+from nanotron_train.config.token_ids import generation_eos
 from nanotron_train.inference.decoding import generate
 from nanotron_train.inference.pipelined_decoding import stage_chunks
 
@@ -51,9 +52,10 @@ class SampleMaker:
         self.grads = grads  # ZeRO-3: full_parameters() gathers the model for the decoding
         self.prompts = list(cfg.logging.sample_prompts)
         self.max_new = cfg.logging.sample_max_new_tokens
-        eos = tokenizer.eos_token_id
+        # The EOS generation stops at, as in `generate` and a Hugging Face export (token_ids.py).
+        self.eos = generation_eos(cfg.model.model_config, tokenizer)
         # An empty encoding starts a new document: EOS is what precedes one in training data.
-        self.ids = [tokenizer.encode(p) or [eos] for p in self.prompts]
+        self.ids = [tokenizer.encode(p) or [tokenizer.eos_token_id] for p in self.prompts]
         limit = model.config.max_position_embeddings
         longest = max(len(i) for i in self.ids)
         if longest + self.max_new > limit:
@@ -106,7 +108,7 @@ class SampleMaker:
             return self._make(step, logger)
 
     def _make(self, step: int, logger) -> list[dict] | None:
-        model, eos = self.model, self.tok.eos_token_id
+        model, eos = self.model, self.eos
         devices = [self.pc.device] if self.pc.device.type == "cuda" else []
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=devices), torch.no_grad():
