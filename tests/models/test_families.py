@@ -17,7 +17,8 @@ def test_llama_is_found_by_name_and_by_config() -> None:
     llama = family("llama")
     assert family_of(tiny_config()) is llama
     assert (llama.config_class, llama.tied_key) == (LlamaConfig, "embedding.weight")
-    assert (llama.hf.model_type, llama.hf.architectures) == ("llama", ("LlamaForCausalLM",))
+    assert (llama.hf.model_type, llama.hf.architectures[0]) == ("llama", "LlamaForCausalLM")
+    assert llama.hf.reads("mixtral", None)  # with moe_config, Llama is HF's Mixtral
     with pytest.raises(
         ModelConfigError, match=r"model family 'gpt2' is not one of \['llama', 'qwen2'\]"
     ):

@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .errors import ModelConfigError
+
 # The dtype names of configs and checkpoints (`model.dtype`), in one place.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,10 +26,6 @@ NANOTRON_ATTENTION = {
     None: "auto",
 }
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-class ModelConfigError(ValueError):
-    """A model configuration value a user can get wrong; the message names the field."""
 
 
 class DecoderConfig:
@@ -156,12 +154,20 @@ class LlamaConfig(DecoderConfig):
     # Ours (Nanotron's Qwen2 key): attention stays inside each document of a packed sequence,
     # whose boundaries the data gives (position ids restarting at 0).
     _use_doc_masking: bool = False
+    # Ours (Nanotron's Qwen2 key): mixture-of-experts layers, Mixtral-like (moe/config.py's
+    # MoEConfig; Hugging Face's MixtralForCausalLM when every layer is one, hf_mixtral.py).
+    moe_config: Any = None
 
     NANOTRON_ATTENTION = NANOTRON_ATTENTION
 
     def __post_init__(self) -> None:
+        # Imported when used: importing the moe package runs its __init__, whose blocks build
+        # on this module's classes (moe/config.py itself needs only errors.py).
+        from .moe.config import MoEConfig
+
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        self.moe_config = MoEConfig.of(self.moe_config)  # a checkpoint's or HF's mapping
 
     def checks(self) -> tuple[ModelCheck, ...]:
         return LLAMA_CHECKS
@@ -305,6 +311,7 @@ SHARED_CHECKS: tuple[ModelCheck, ...] = (
         lambda c, tp: _rope_scaling_error(c.rope_scaling) is None,
         lambda c, tp: _rope_scaling_error(c.rope_scaling),
     ),
+    ModelCheck(lambda c, tp: _moe_error(c) is None, lambda c, tp: _moe_error(c)),
 )
 
 LLAMA_CHECKS: tuple[ModelCheck, ...] = (
@@ -330,6 +337,13 @@ LLAMA_CHECKS: tuple[ModelCheck, ...] = (
         lambda c, tp: f"{_MC}._use_doc_masking must be true or false, got {c._use_doc_masking!r}",
     ),
 )
+
+
+def _moe_error(c) -> str | None:
+    """What is wrong with `moe_config` (None: nothing, or a dense model)."""
+    from .moe.config import moe_config_error  # when used: see LlamaConfig.__post_init__
+
+    return None if c.moe_config is None else moe_config_error(c.moe_config, c.num_hidden_layers)
 
 
 def _rope_scaling_error(rs: dict[str, Any] | None) -> str | None:

@@ -30,6 +30,12 @@ from .hf import (
     hf_state_dict_to_ours_full,
     our_full_state_dict_to_hf,
 )
+from .hf_mixtral import (
+    mixtral_config_from_hf,
+    mixtral_config_to_hf,
+    mixtral_state_dict_from_hf,
+    mixtral_state_dict_to_hf,
+)
 from .hf_qwen2 import qwen2_architecture, qwen2_config_from_hf, qwen2_config_to_hf
 from .hf_qwen2_moe import qwen2_moe_config_from_hf, qwen2_moe_config_to_hf
 from .init import InitSpec, llama_init_spec
@@ -84,6 +90,31 @@ class ModelFamily:
     yaml_marker: str = ""  # the model_config key that names the family in a Nanotron YAML
 
 
+def _get(hf_config: Any, key: str) -> Any:
+    return hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
+
+
+# Llama with moe_config is Mixtral in Hugging Face's terms (hf_mixtral.py).
+def _llama_from_hf(hf_config: Any):
+    if _get(hf_config, "model_type") == "mixtral":
+        return mixtral_config_from_hf(hf_config)
+    return config_from_hf(hf_config)
+
+
+def _llama_to_hf(config: LlamaConfig):
+    return mixtral_config_to_hf(config) if config.moe_config else config_to_hf(config)
+
+
+def _llama_sd_from_hf(hf_sd: dict, config: LlamaConfig) -> dict:
+    convert = mixtral_state_dict_from_hf if config.moe_config else hf_state_dict_to_ours_full
+    return convert(hf_sd, config)
+
+
+def _llama_sd_to_hf(full_sd: dict, config: LlamaConfig) -> dict:
+    convert = mixtral_state_dict_to_hf if config.moe_config else our_full_state_dict_to_hf
+    return convert(full_sd, config)
+
+
 LLAMA = ModelFamily(
     name="llama",
     config_class=LlamaConfig,
@@ -96,19 +127,20 @@ LLAMA = ModelFamily(
     training_flops_per_token=training_flops_per_token,
     hf=HFMapping(
         model_type="llama",
-        architectures=("LlamaForCausalLM",),
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-        state_dict_from_hf=hf_state_dict_to_ours_full,
-        state_dict_to_hf=our_full_state_dict_to_hf,
+        architectures=("LlamaForCausalLM", "MixtralForCausalLM"),
+        config_from_hf=_llama_from_hf,
+        config_to_hf=_llama_to_hf,
+        state_dict_from_hf=_llama_sd_from_hf,
+        state_dict_to_hf=_llama_sd_to_hf,
+        model_types=("llama", "mixtral"),
+        architecture_of=lambda c: "MixtralForCausalLM" if c.moe_config else "LlamaForCausalLM",
     ),
     yaml_marker="is_llama_config",
 )
 
 
 def _qwen2_from_hf(hf_config: Any):
-    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
-    if get("model_type") == "qwen2_moe":
+    if _get(hf_config, "model_type") == "qwen2_moe":
         return qwen2_moe_config_from_hf(hf_config)
     return qwen2_config_from_hf(hf_config)
 

@@ -41,7 +41,7 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
         scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
     elif kind not in (None, "default"):
         raise ModelConfigError(f"rope_parameters.rope_type {kind!r} is not supported (only llama3)")
-    elif legacy_scaling is not None:
+    elif legacy_scaling is not None and not rope:  # v5 aliases rope_scaling to rope_parameters
         scaling = dict(legacy_scaling)
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     head_dim = get("head_dim")

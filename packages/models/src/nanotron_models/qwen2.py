@@ -31,7 +31,7 @@ from .config import (
     _positive_int,
     _positive_number,
 )
-from .moe.config import MoEConfig, moe_config_error
+from .moe.config import MoEConfig
 
 # Nanotron's `_attn_implementation` values -> our kernels. flash_attention_2 (and Nanotron's
 # context-parallel llama3_ring_attention, which is flash-attn varlen over gathered keys) run
@@ -180,12 +180,6 @@ QWEN2_CHECKS: tuple[ModelCheck, ...] = (
     _row(
         lambda c, tp: c.is_qwen2_config is True,
         lambda c, tp: f"{_MC}.is_qwen2_config must be true in a Qwen2 config",
-    ),
-    _row(
-        lambda c, tp: (
-            c.moe_config is None or moe_config_error(c.moe_config, c.num_hidden_layers) is None
-        ),
-        lambda c, tp: moe_config_error(c.moe_config, c.num_hidden_layers),
     ),
     _row(
         lambda c, tp: c._attn_implementation in QWEN2_ATTENTION,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ModelConfigError
+from ..errors import ModelConfigError
 
 ROUTERS = ("softmax", "sigmoid_bias")
 DISPATCHERS = ("alltoall", "allgather")
