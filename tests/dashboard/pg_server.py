@@ -13,6 +13,7 @@ import itertools
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -46,6 +47,21 @@ class PgServer:
     port: int
     proc: subprocess.Popen
     root: Path  # the data directory, socket and log: removed by stop()
+    args: tuple[list[str], dict[str, str], object] = ([], {}, None)  # argv, env, preexec
+
+    def pause(self) -> None:
+        """Stop the server as an outage would (fast shutdown: its sessions are cut), keeping
+        its data for `resume`."""
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(30)
+
+    def resume(self) -> None:
+        argv, env, drop = self.args
+        with open(self.root / "server.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=drop, env=env
+            )
+        _wait_ready(self, self.root / "server.log")
 
     @property
     def url(self) -> str:
@@ -118,7 +134,7 @@ def start() -> PgServer:
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=drop, env=env
         )
-    server = PgServer(port, proc, tmp)
+    server = PgServer(port, proc, tmp, (args, env, drop))
     try:
         _wait_ready(server, tmp / "server.log")
     except RuntimeError:

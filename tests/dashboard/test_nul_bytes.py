@@ -54,9 +54,8 @@ def test_a_nul_in_a_query_parameter_is_a_400_on_both(c, url):
 def test_a_nul_in_a_path_names_nothing_and_a_run_start_with_one_is_refused(c):
     for path in ("/api/runs/r%00", "/api/runs/r%00/metrics", "/static/a%00b", "/runs/r%00"):
         assert c.get(path).status_code == 404, path
-    with pytest.raises(WebSocketDisconnect):
-        with c.websocket_connect("/ws/runs/r%00") as ws:
-            ws.receive_text()
+    with pytest.raises(WebSocketDisconnect), c.websocket_connect("/ws/runs/r%00") as ws:
+        ws.receive_text()
     start = {"type": "run_start", "run_id": "a", "attempt": "x\x00y"}
     r = c.post("/api/ingest", content=json.dumps(start))
     assert r.status_code == 422 and "attempt" in r.json()["errors"][0]["error"], r.text

@@ -59,7 +59,9 @@ def test_rank_stats_reads_hold_a_million_numbers_across_fields(db_url):
         r = c.get("/api/runs/huge/rank_stats?fields=" + ",".join(bd.ALL_FIELDS))
         assert r.status_code == 400 and "1,000,000" in r.json()["detail"], r.text[:300]
         h = c.get("/api/runs/huge/rank_stats?fields=step_ms").json()
-        assert numbers(h) == 50_000 and h["values"]["step_ms"][0][49_999] == bd.rank_value(10, 49_999, 0)
+        assert numbers(h) == 50_000 and h["values"]["step_ms"][0][49_999] == bd.rank_value(
+            10, 49_999, 0
+        )
 
 
 def _ranks(lo: int, hi: int, **extra) -> list[dict]:
@@ -121,7 +123,9 @@ def test_phase_values_and_names_are_validated_at_ingest(db_url, caplog):
     entry = {"rank": 0, "dp": 0, "tp": 0, "pp": 0, "step_ms": 1.0}
     msg = {"type": "rank_stats", "run_id": "ph", "step": 1}
     with client(db_url) as c:
-        raw = json.dumps({**msg, "ranks": [{**entry, "x_ms": 0}]}).replace('"x_ms": 0', '"x_ms": ' + "9" * 400)
+        raw = json.dumps({**msg, "ranks": [{**entry, "x_ms": 0}]}).replace(
+            '"x_ms": 0', '"x_ms": ' + "9" * 400
+        )
         r = c.post("/api/ingest", content=raw)
         assert r.status_code == 422 and "too large" in r.json()["errors"][0]["error"], r.text
         status, body = ingest(c, {**msg, "ranks": [{**entry, "x_ms\n": 3.0}]})

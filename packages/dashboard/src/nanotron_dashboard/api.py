@@ -10,6 +10,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.requests import ClientDisconnect
 
 from . import csv_export, queries
@@ -19,6 +20,7 @@ from .db import delete_run
 from .errors import DashboardError
 from .launch import AlreadyRunning, NotGranted, plan
 from .memory import account
+from .outage import is_unavailable, unavailable
 from .security import csrf_allowed, require_csrf
 from .store import is_disk_full, upsert_checkpoint
 
@@ -35,7 +37,8 @@ def _write(request: Request, job: Any) -> Any:
     """Run a write on the single writer; its refusal (a full disk: 507) becomes the answer."""
     res = request.app.state.writer.submit(job, want_result=True).result(timeout=60)
     if isinstance(res, dict) and res.get("ok") is False:
-        raise HTTPException(res["status"], res["error"])
+        retry = {"Retry-After": str(res["retry_after"])} if "retry_after" in res else None
+        raise HTTPException(res["status"], res["error"], headers=retry)
     return res
 
 
@@ -290,6 +293,17 @@ def error_handlers(app: Any) -> None:
     @app.exception_handler(DashboardError)
     async def _bad(_r: Request, e: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(e)}, 400)
+
+    @app.exception_handler(DBAPIError)
+    async def _database(r: Request, e: Exception) -> JSONResponse:
+        # a handler of its own: Starlette re-raises what the Exception handler answered, and
+        # uvicorn then logs a traceback per request (an outage's flood)
+        if is_unavailable(e):  # one log line per outage (outage.py), not one per request
+            r.app.state.writer.outage.failed(e)
+            res = unavailable(e)
+            headers = {"Retry-After": str(res["retry_after"])}
+            return JSONResponse({"detail": res["error"]}, 503, headers=headers)
+        return await _other(r, e)
 
     @app.exception_handler(Exception)
     async def _other(r: Request, e: Exception) -> JSONResponse:

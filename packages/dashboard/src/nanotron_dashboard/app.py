@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from . import __version__, api, ingest, moe_api, telemetry_api
 from .alerts import StallWatch, WebhookSender
 from .auth import AuthMiddleware, CookieSigner
-from .backend import is_url, pg_url
+from .backend import PgLock, is_url, pg_url, redact
 from .db import lock_database, open_database
 from .db_files import private_dir
 from .errors import DatabaseFileError, MissingAssetError, StartupConfigError
@@ -165,6 +165,9 @@ def start_services(settings: Settings, webhooks: WebhookSender) -> Services:
         watching=hub.watching,
         max_bytes=settings.queue_bytes,
         on_events=webhooks.enqueue,
+        # PostgreSQL: the writer writes on the lock's own connection (backend.PgLock.hold)
+        db_lock=lock if isinstance(lock, PgLock) else None,
+        redact=lambda message: redact(message, settings.db),
     )
     writer.start()
     webhooks.start()

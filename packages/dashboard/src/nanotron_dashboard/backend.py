@@ -8,16 +8,18 @@ engine and its one-server-per-database lock, the placeholder style of driver-lev
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from .errors import DatabaseFileError
 
+log = logging.getLogger("nanotron_dashboard")
 PG_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
 # pg_try_advisory_lock's key: one server per PostgreSQL database ("nanotron" in ASCII)
 PG_LOCK_KEY = 0x6E616E6F74726F6E
@@ -33,16 +35,63 @@ def pg_url(db: str) -> URL:
     try:
         url = make_url(str(db).replace("postgres://", "postgresql://", 1))
     except Exception as e:  # SQLAlchemy's ArgumentError names the bad part
-        raise DatabaseFileError(f"--db {shown(db)}: not a valid database URL ({e})") from None
+        raise DatabaseFileError(
+            f"--db {shown(db)}: not a valid database URL ({redact(str(e), db)})"
+        ) from None
     return url.set(drivername="postgresql+psycopg")
 
 
+# Query parameters libpq takes a secret from (a `passfile` is a path: shown, never read here)
+SECRET_PARAMS = frozenset({"password", "sslpassword"})
+MASK = "***"
+
+
+def _secret(key: str, value: str) -> bool:
+    """A secret parameter, or a value libpq may expand into connection options that hold
+    one (a `dbname` written as `host=... password=...`)."""
+    return key.lower() in SECRET_PARAMS or "password" in value.lower()
+
+
+def secrets_of(db: str) -> list[str]:
+    """Every secret the --db URL holds: the user:password part's and the parameters'."""
+    if not is_url(db):
+        return []
+    try:
+        url = make_url(str(db))
+    except Exception:
+        return []
+    found = [url.password] if url.password else []
+    for key, value in url.query.items():
+        for v in (value,) if isinstance(value, str) else value:
+            found += [v] if v and _secret(key, v) else []
+    if url.database and "password" in url.database.lower():
+        found.append(url.database)
+    return sorted(set(map(str, found)), key=len, reverse=True)
+
+
+def redact(message: str, db: str) -> str:
+    """`message` (a driver's error, say) with every secret of the --db URL masked."""
+    for secret in secrets_of(db):
+        message = message.replace(secret, MASK)
+    return message
+
+
 def shown(db: str) -> str:
-    """The --db value as it may be printed or logged: a URL's password hidden."""
+    """The --db value as it may be printed or logged: every secret libpq would take from it
+    masked (the user:password part's, `password=` and `sslpassword=` parameters, a dbname
+    that is a connection string with a password)."""
     if not is_url(db):
         return str(db)
     try:
-        return make_url(str(db)).render_as_string(hide_password=True)
+        url = make_url(str(db))
+        query = {
+            k: (MASK if any(_secret(k, x) for x in ((v,) if isinstance(v, str) else v)) else v)
+            for k, v in url.query.items()
+        }
+        url = url.set(query=query)
+        if url.database and "password" in url.database.lower():
+            url = url.set(database=MASK)
+        return url.render_as_string(hide_password=True).replace("%2A%2A%2A", MASK)
     except Exception:
         return "postgresql://…"
 
@@ -68,26 +117,52 @@ def pg_engine(db: str) -> Engine:
 
 class PgLock:
     """The PostgreSQL counterpart of the flock on an SQLite file: a session-level advisory
-    lock held on its own connection while the server runs; a second server on the same
-    database refuses to start. The lock goes with the connection, even on SIGKILL."""
+    lock; a second server on the same database refuses to start. The lock goes with its
+    session, even on SIGKILL, and so also when the connection drops (a PostgreSQL restart,
+    pg_terminate_backend): the server's writer therefore writes on this very connection
+    (`connection()`) and calls `hold()` before each transaction. A session that is not the
+    one that took the lock takes it again, or raises LockLost when another server has it:
+    no commit is ever made without the lock."""
 
     def __init__(self, db: str) -> None:
-        self._engine = create_engine(pg_url(db), future=True)
+        self._db = db
+        self._engine = pg_engine(db)
         try:
             self._conn = self._engine.connect()
         except Exception as e:
             self._engine.dispose()
             raise DatabaseFileError(
-                f"--db {shown(db)}: cannot connect ({_first_line(e)})"
+                f"--db {shown(db)}: cannot connect ({redact(_first_line(e), db)})"
             ) from None
-        got = self._conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": PG_LOCK_KEY})
-        if not got.scalar():
+        if not self._take(self._conn):
             self.close()
             raise DatabaseFileError(
                 f"--db {shown(db)}: another nanotron-dashboard is serving this database; "
                 "stop it first or use another database"
             )
-        self._conn.commit()  # the lock is the session's, not the transaction's
+        self._session = self._conn.connection.dbapi_connection
+
+    @staticmethod
+    def _take(conn: Connection) -> bool:
+        got = conn.exec_driver_sql("SELECT pg_try_advisory_lock(?)", (PG_LOCK_KEY,)).scalar()
+        conn.commit()  # the lock is the session's, not the transaction's
+        return bool(got)
+
+    def connection(self) -> Connection:
+        return self._conn
+
+    def hold(self, conn: Connection) -> None:
+        """Before a write on `conn` (this lock's connection): its session holds the lock. A
+        new session (the old one dropped, reconnected since) takes it again first."""
+        session = conn.connection.dbapi_connection  # reconnects if the old one was lost
+        if session is self._session:
+            return
+        from .outage import LockLost
+
+        if not self._take(conn):
+            raise LockLost("another nanotron-dashboard took this database's lock")
+        self._session = session
+        log.warning("dashboard: the database connection was lost and the lock taken again")
 
     def close(self) -> None:
         with suppress(Exception):  # a connection already gone holds no lock
@@ -101,7 +176,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def connect_error(db: str, e: BaseException) -> DatabaseFileError:
-    return DatabaseFileError(f"--db {shown(db)}: {_first_line(e)}")
+    return DatabaseFileError(f"--db {shown(db)}: {redact(_first_line(e), db)}")
 
 
 def is_disk_full(e: BaseException) -> bool:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from .auth import OWNER, auth_level
 from .grants import grant_job
 from .messages import MAX_MESSAGE_BYTES, MessageError, RunStart, parse_messages
+from .outage import RETRY_AFTER_S as OUTAGE_RETRY_S
 from .store import refusal
 
 router = APIRouter()
@@ -108,6 +109,12 @@ async def ws_ingest(ws: WebSocket) -> None:
                 await ws.send_text(json.dumps(refusal(507, "the dashboard's disk is full")))
                 await ws.close(1013, "disk full; reconnect later")
                 return
+            if writer.outage.down:  # the trainer reconnects later and replays what was refused
+                await ws.send_text(
+                    json.dumps(refusal(503, "the dashboard's database is unavailable"))
+                )
+                await ws.close(1013, "database unavailable; reconnect later")
+                return
     except (WebSocketDisconnect, RuntimeError):
         return
 
@@ -170,7 +177,10 @@ async def http_ingest(request: Request) -> JSONResponse:
             errors.append({"index": i, "status": res["status"], "error": res["error"]})
     status = max((e["status"] for e in errors), default=200)
     errors.sort(key=lambda e: e["index"])
-    return JSONResponse({"accepted": accepted, "results": results, "errors": errors}, status)
+    # 503: the database is out of reach (outage.py); the trainer's client waits Retry-After
+    retry = {"Retry-After": str(OUTAGE_RETRY_S)} if status == 503 else None
+    body = {"accepted": accepted, "results": results, "errors": errors}
+    return JSONResponse(body, status, headers=retry)
 
 
 async def _feed(ws: WebSocket, run_id: str | None) -> None:

@@ -17,11 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
 from .blocks import Sealer
+from .outage import Outage, is_unavailable, unavailable
 from .series import SeriesCache
 from .store import DISK_FULL_LOG_EVERY_S, is_disk_full, refusal
 from .telemetry_store import EventDict, Side
@@ -49,8 +51,14 @@ class Writer:
         max_batch: int = 5000,
         max_bytes: int = 64 << 20,
         on_events: Callable[[list[EventDict]], None] | None = None,
+        db_lock: Any = None,
+        redact: Callable[[str], str] = str,
     ) -> None:
         self._engine = engine
+        # PostgreSQL: the one-server lock's connection, which the writer writes on, so that
+        # no commit happens on a session without the lock (backend.PgLock); SQLite: None
+        self._db_lock = db_lock
+        self.outage = Outage(redact)  # the database out of reach: 503s, two log lines
         self._cache = cache
         self._notify = notify
         self._on_events = on_events  # the webhook sender's enqueue: never blocks
@@ -110,7 +118,8 @@ class Writer:
 
     # --- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        with self._engine.connect() as conn:
+        session = self._db_lock.connection() if self._db_lock else self._engine.connect()
+        with session as conn:
             while True:
                 first = self.queue.get()
                 if first is None:
@@ -140,7 +149,11 @@ class Writer:
 
     def _forget(self, conn: Connection) -> None:
         """After a rollback the cached keys and bounds may be ahead of the database."""
-        conn.rollback()
+        try:
+            conn.rollback()
+        except Exception:  # the connection is gone: the next batch opens another
+            with suppress(Exception):
+                conn.invalidate()
         self._index.clear()
         self._sealer.reset()
 
@@ -152,10 +165,14 @@ class Writer:
             if is_disk_full(e):
                 self._on_disk_full(batch)
                 return
+            if is_unavailable(e):
+                self._on_unavailable(conn, batch, e)
+                return
             for item in batch:
                 self._write_one(conn, item)
             return
         self.disk_full = False  # space came back: writes go on by themselves
+        self.outage.ok()
         self._after_commit(rows, changed, side)
         for (_, fut, _), res in zip(batch, results):
             if fut is not None:
@@ -169,6 +186,9 @@ class Writer:
             self._forget(conn)
             if is_disk_full(e):
                 self._on_disk_full([item])
+                return
+            if is_unavailable(e):
+                self._on_unavailable(conn, [item], e)
                 return
             log.exception("dashboard writer: dropped a message it could not store")
             if fut is not None:
@@ -189,6 +209,18 @@ class Writer:
                 "there is space again (this line repeats at most once a minute)"
             )
         res = refusal(507, "the dashboard's disk is full; retry later")
+        for _, fut, _ in batch:
+            if fut is not None:
+                fut.set_result(res)
+
+    def _on_unavailable(self, conn: Connection, batch: list[Item], e: Exception) -> None:
+        """The database is out of reach (or another server took its lock): the batch is
+        refused with 503 and Retry-After, nothing of it stored, so nothing acked is lost. The
+        connection is dropped: the next batch opens a new one (and takes the lock again)."""
+        with suppress(Exception):
+            conn.invalidate()
+        self.outage.failed(e)
+        res = unavailable(e)
         for _, fut, _ in batch:
             if fut is not None:
                 fut.set_result(res)
@@ -229,6 +261,8 @@ class Writer:
     ) -> tuple[list[Any], list[tuple], set[str], Side]:
         """One transaction: each message through its type's handler (writer_handlers.py)."""
         b = Batch(now=time.time())
+        if self._db_lock is not None:
+            self._db_lock.hold(conn)  # this session holds the lock, or LockLost
         with conn.begin():
             results = [self._handlers.handle(conn, msg, b) for msg in msgs]
             self._handlers.finish(conn, b)
