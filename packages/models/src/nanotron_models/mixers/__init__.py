@@ -1,0 +1,31 @@
+"""Sequence mixers other than attention (attention lives in attention.py): Mamba-2 (SSD)."""
+
+from .mamba2 import GatedGroupRMSNorm, Mamba2Dims, Mamba2Mixer, Mamba2State, mamba2_ssm_init
+from .mamba2_tp import MAMBA2_TP_PLAN, conv_channels, in_proj_rows, shard_mamba2, unshard_mamba2
+from .ssd_scan import (
+    causal_conv,
+    combine_segment_states,
+    reset_mask_from_document_ids,
+    ssd_initial_state_output,
+    ssd_scan,
+    ssd_total_decay,
+)
+
+__all__ = [
+    "MAMBA2_TP_PLAN",
+    "GatedGroupRMSNorm",
+    "Mamba2Dims",
+    "Mamba2Mixer",
+    "Mamba2State",
+    "causal_conv",
+    "combine_segment_states",
+    "conv_channels",
+    "in_proj_rows",
+    "mamba2_ssm_init",
+    "reset_mask_from_document_ids",
+    "shard_mamba2",
+    "ssd_initial_state_output",
+    "ssd_scan",
+    "ssd_total_decay",
+    "unshard_mamba2",
+]
