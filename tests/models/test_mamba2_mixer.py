@@ -14,6 +14,7 @@ from nanotron_models.mixers import (
     Mamba2Mixer,
     Mamba2State,
     combine_segment_states,
+    conv_halo,
     reset_mask_from_document_ids,
     shard_mamba2,
     ssd_initial_state_output,
@@ -156,6 +157,34 @@ def test_gradients_match_recurrence():
         close(a, b, 1e-10)
 
 
+def test_scan_gradients_with_initial_state():
+    """ssd_scan's y and final state, and their gradients wrt every input (the initial state
+    included: context parallel's backward goes through it), against the plain recurrence."""
+    g = torch.Generator().manual_seed(5)
+    b, length, h, p, gr, n = 2, 13, 4, 3, 2, 5
+    x = torch.randn(b, length, h, p, generator=g, dtype=F64)
+    dt = F.softplus(torch.randn(b, length, h, generator=g, dtype=F64))
+    A = -torch.rand(h, generator=g, dtype=F64) - 0.1
+    B, C = torch.randn(2, b, length, gr, n, generator=g, dtype=F64)
+    D = torch.randn(h, generator=g, dtype=F64)
+    h0 = torch.randn(b, h, p, n, generator=g, dtype=F64)
+    inputs = [t.requires_grad_() for t in (x, dt, A, B, C, D, h0)]
+    wy, wf = torch.randn(b, length, h, p, dtype=F64), torch.randn(b, h, p, n, dtype=F64)
+    y, final = ssd_scan(x, dt, A, B, C, 4, D, h0)
+    ours = torch.autograd.grad((y * wy).sum() + (final * wf).sum(), inputs)
+    state, ys = h0, []
+    Bh, Ch = (t.repeat_interleave(h // gr, dim=2) for t in (B, C))
+    for t in range(length):
+        state = torch.exp(dt[:, t] * A)[..., None, None] * state
+        state = state + (dt[:, t, :, None] * x[:, t])[..., None] * Bh[:, t, :, None, :]
+        ys.append((state * Ch[:, t, :, None, :]).sum(-1) + D[:, None] * x[:, t])
+    close(y, torch.stack(ys, 1), 1e-12)
+    close(final, state, 1e-12)
+    ref = torch.autograd.grad((torch.stack(ys, 1) * wy).sum() + (state * wf).sum(), inputs)
+    for a, r in zip(ours, ref):
+        close(a, r, 1e-11)
+
+
 # ---- segments: continuation, context parallel -----------------------------------------------
 
 
@@ -214,6 +243,36 @@ def test_context_parallel_two_pass():
         close(y0 + extra, full[:, s], 1e-12)
         rescan, _ = ssd_scan(x[:, s], dt[:, s], A, B[:, s], C[:, s], 8, D, start, reset[:, s])
         close(rescan, full[:, s], 1e-12)
+
+
+def test_context_parallel_mixer_recipe():
+    """The whole mixer over segments as context-parallel ranks would run it: the conv halo
+    from the previous segment (conv_halo), the scan from zero, the combined initial states and
+    their output term, then the gated norm and out_proj: equal to one pass, with documents."""
+    mx = make()
+    x = torch.randn(2, 40, 64, dtype=F64)
+    reset = torch.zeros(2, 40, dtype=torch.bool)
+    reset[0, [16, 20]] = True  # 16: a segment's first token
+    reset[1, [27, 38]] = True  # 27: the halo sent from 16..28 must drop token 26
+    bounds = [(0, 9), (9, 16), (16, 29), (29, 40)]
+    with torch.no_grad():
+        full = mx(x, reset)
+        pieces, zero, decays, halo = [], [], [], None
+        for lo, hi in bounds:
+            z, xbc, dt = mx.project(x[:, lo:hi])
+            act, _ = mx.conv(xbc, halo, reset[:, lo:hi])
+            halo = conv_halo(xbc, DIMS.conv_kernel, reset[:, lo:hi])  # what this rank sends
+            xs, dts, A, B, C = mx.ssm_inputs(act, dt)
+            y0, state = ssd_scan(xs, dts, A, B, C, 8, mx.D, None, reset[:, lo:hi])
+            pieces.append((z, y0, dts, A, C))
+            zero.append(state)
+            decays.append(ssd_total_decay(dts, A, reset[:, lo:hi]))
+        starts, _ = combine_segment_states(torch.stack(zero), torch.stack(decays))
+        outs = []
+        for (lo, hi), (z, y0, dts, A, C), start in zip(bounds, pieces, starts):
+            y = y0 + ssd_initial_state_output(C, dts, A, start, reset[:, lo:hi])
+            outs.append(mx.out_proj(mx.gate_norm(y, z).to(x.dtype)))
+        close(torch.cat(outs, 1), full, 1e-12)
 
 
 # ---- documents -------------------------------------------------------------------------------

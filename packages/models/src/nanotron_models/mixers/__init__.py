@@ -5,6 +5,7 @@ from .mamba2_tp import MAMBA2_TP_PLAN, conv_channels, in_proj_rows, shard_mamba2
 from .ssd_scan import (
     causal_conv,
     combine_segment_states,
+    conv_halo,
     reset_mask_from_document_ids,
     ssd_initial_state_output,
     ssd_scan,
@@ -19,6 +20,7 @@ __all__ = [
     "Mamba2State",
     "causal_conv",
     "combine_segment_states",
+    "conv_halo",
     "conv_channels",
     "in_proj_rows",
     "mamba2_ssm_init",

@@ -114,6 +114,16 @@ def causal_conv(
     return y, _final_halo(full, k, None if doc is None else F.pad(doc, (k - 1, 0)))
 
 
+def conv_halo(x: Tensor, kernel: int, reset_mask: Tensor | None = None) -> Tensor:
+    """The halo [b, c, K-1] a segment x [b, l, c] (l >= K-1) hands to the next one: its last
+    K-1 conv inputs, zeroed before its last document's start. A context-parallel rank can send
+    it before running its own conv (it depends on nothing received)."""
+    if x.shape[1] < kernel - 1:
+        raise ValueError(f"conv_halo: a segment of {x.shape[1]} tokens < conv_kernel - 1")
+    doc = documents(reset_mask, x)
+    return _final_halo(x.transpose(1, 2), kernel, doc)
+
+
 def _final_halo(full: Tensor, k: int, doc_full: Tensor | None) -> Tensor:
     """The last K-1 inputs of [b, c, *] `full`, zeroed where not of the last document."""
     halo = full[:, :, full.shape[2] - (k - 1) :]
