@@ -16,7 +16,6 @@ from torch import nn
 from nanotron_parallel.context_parallel import LABEL_COUNT_KEY, context_parallel_attention
 from nanotron_parallel.tensor_parallel import (
     ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelLinearMode,
     VocabParallelEmbedding,
     copy_to_tp,
@@ -28,6 +27,7 @@ from nanotron_parallel.tensor_parallel.weight_grad import defer, splitting
 
 from .attention import attention, resolve_backend
 from .config import LlamaConfig
+from .init import LLAMA_TP_PLAN  # which layer is split how: built here, cut by init
 from .kv_cache import KVCache
 from .masks import (
     DOCUMENT_IDS_KEY,
@@ -138,10 +138,10 @@ class Attention(nn.Module):
         qkv_out = (c.num_attention_heads + 2 * c.n_kv_heads) * d
         sections = [c.num_attention_heads * d, c.n_kv_heads * d, c.n_kv_heads * d]
         bias = c.attention_bias
-        self.qkv = ColumnParallelLinear(
+        self.qkv = LLAMA_TP_PLAN.linear("attn.qkv")(
             h, qkv_out, group, mode, bias=bias, device=device, dtype=dtype, sections=sections
         )
-        self.o_proj = RowParallelLinear(
+        self.o_proj = LLAMA_TP_PLAN.linear("attn.o_proj")(
             c.num_attention_heads * d,
             h,
             group,
@@ -236,10 +236,10 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig, group, mode, device=None, dtype=None):
         super().__init__()
         h, inter = config.hidden_size, config.intermediate_size
-        self.gate_up = ColumnParallelLinear(
+        self.gate_up = LLAMA_TP_PLAN.linear("gate_up")(
             h, 2 * inter, group, mode, device=device, dtype=dtype, sections=[inter, inter]
         )
-        self.down = RowParallelLinear(inter, h, group, mode, device=device, dtype=dtype)
+        self.down = LLAMA_TP_PLAN.linear("down")(inter, h, group, mode, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .model import LlamaStage
+from .stage import ModelStage
 
 
 class StageChunks(nn.Module):
@@ -14,7 +14,7 @@ class StageChunks(nn.Module):
     chunk both hold an end of a tied model (pp = 1), the lm_head is re-tied to the embedding.
     """
 
-    def __init__(self, chunks: list[LlamaStage]) -> None:
+    def __init__(self, chunks: list[ModelStage]) -> None:
         super().__init__()
         first, last = chunks[0], chunks[-1]
         if (
@@ -28,13 +28,23 @@ class StageChunks(nn.Module):
         self.pc = first.pc
         self.chunks = list(chunks)  # a plain list: not registered twice
         self.block_names = [n for c in chunks for n in c.block_names]
-        self.decoder = nn.ModuleDict()
+        # The layers' containers first (`decoder`), so parameters keep the order they had.
+        for name in self.block_names:
+            prefix = name.rpartition(".")[0]
+            if prefix and prefix not in self._modules:
+                self.add_module(prefix, nn.ModuleDict())
         for chunk in chunks:
             for name in chunk.block_names:
-                if name.startswith("decoder."):
-                    self.decoder[name.split(".", 1)[1]] = chunk.block(name)
-                else:
-                    self.add_module(name, chunk.block(name))
+                self._register(name, chunk.block(name))
+
+    def _register(self, name: str, block: nn.Module) -> None:
+        """Add `block` under its global name: `decoder.3` as key "3" of a ModuleDict
+        `decoder` (a module name cannot hold a dot), `embedding` as itself."""
+        prefix, _, key = name.rpartition(".")
+        if prefix:
+            self._modules[prefix][key] = block
+        else:
+            self.add_module(name, block)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("StageChunks are run chunk by chunk by the interleaved schedule")

@@ -11,10 +11,9 @@ from typing import Any
 
 import torch
 
-from nanotron_parallel.sharding import shard_tensor
-
 from .config import LlamaConfig, ModelConfigError
 from .init import llama_init_spec
+from .materialise import shard_full_tensors
 from .moe.config import moe_layers_of
 from .moe.hf_weights import moe_mlp_from_hf, moe_mlp_to_hf
 
@@ -156,22 +155,7 @@ def shard_full_state_dict(
     full_sd: dict[str, torch.Tensor], config: LlamaConfig, tp_rank: int, tp_size: int
 ) -> dict[str, torch.Tensor]:
     """Our full (unpadded or padded) tensors -> this tp rank's shards, vocab padded for tp."""
-    out = {}
-    for name, tensor in full_sd.items():
-        spec = llama_init_spec(config, name, 1.0, tp_size)
-        full = tensor
-        if spec.pad_rows_to is not None:
-            full = full[: config.vocab_size]
-            if spec.pad_rows_to > full.shape[0]:
-                pad = full.new_zeros(spec.pad_rows_to - full.shape[0], *full.shape[1:])
-                full = torch.cat((full, pad), dim=0)
-        if spec.shard_dim is None:
-            out[name] = full.clone()
-        else:
-            sections = list(spec.sections) if spec.sections else None
-            shard = shard_tensor(full, spec.shard_dim, tp_rank, tp_size, sections=sections)
-            out[name] = shard.clone()
-    return out
+    return shard_full_tensors(full_sd, config, llama_init_spec, tp_rank, tp_size)
 
 
 def hf_state_dict_to_ours(

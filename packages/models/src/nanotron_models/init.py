@@ -14,6 +14,22 @@ from dataclasses import dataclass
 import torch
 
 from .config import LlamaConfig
+from .tp_plan import Split, TPPlan
+
+# Llama's (and Qwen2's) tensor-parallel plan, Megatron's: attention's fused q/k/v and the
+# MLPs' fused gate/up (a MoE layer's shared expert too) cut by output, their output
+# projections by input; the embedding and the lm_head by vocab rows. blocks.py builds its
+# layers by it; `llama_init_spec` cuts each parameter by it.
+LLAMA_TP_PLAN = TPPlan(
+    {
+        "embedding": Split.VOCAB,
+        "lm_head": Split.COLUMN,
+        "attn.qkv": Split.COLUMN,
+        "attn.o_proj": Split.ROW,
+        "gate_up": Split.COLUMN,
+        "down": Split.ROW,
+    }
+)
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -29,7 +45,7 @@ class InitSpec:
     key: str  # the name the generator is seeded with (the tied source's name for a tied lm_head)
     full_shape: tuple[int, ...]  # unpadded
     std: float | None  # None -> ones (norm weights), 0.0 -> zeros (biases)
-    shard_dim: int | None  # None -> replicated over tp
+    shard_dim: int | None  # None -> replicated over tp (the family's TPPlan says)
     sections: tuple[int, ...] | None = None
     pad_rows_to: int | None = None  # vocab padding: zero rows appended up to this size
     experts: bool = False  # dim 0 indexes the global experts: a rank keeps its local ones
@@ -72,25 +88,26 @@ def llama_init_spec(
         else init_std
     )
     vpad = c.padded_vocab_size(tp)
+    split = LLAMA_TP_PLAN.shard_dim(name)
     if name == "embedding.weight":
-        return InitSpec(name, (c.vocab_size, h), init_std, 0, pad_rows_to=vpad)
+        return InitSpec(name, (c.vocab_size, h), init_std, split, pad_rows_to=vpad)
     if name == "lm_head.weight":
         key = "embedding.weight" if c.tie_word_embeddings else name
-        return InitSpec(key, (c.vocab_size, h), init_std, 0, pad_rows_to=vpad)
+        return InitSpec(key, (c.vocab_size, h), init_std, split, pad_rows_to=vpad)
     if name == "final_norm.weight" or name.endswith("_norm.weight"):
-        return InitSpec(name, (h,), None, None)
+        return InitSpec(name, (h,), None, split)
     if name.endswith("attn.qkv.weight"):
-        return InitSpec(name, (q + 2 * kv, h), init_std, 0, (q, kv, kv))
+        return InitSpec(name, (q + 2 * kv, h), init_std, split, (q, kv, kv))
     if name.endswith("attn.qkv.bias"):
-        return InitSpec(name, (q + 2 * kv,), 0.0, 0, (q, kv, kv))
+        return InitSpec(name, (q + 2 * kv,), 0.0, split, (q, kv, kv))
     if name.endswith("attn.o_proj.bias"):
-        return InitSpec(name, (h,), 0.0, None)
+        return InitSpec(name, (h,), 0.0, split)
     if name.endswith("attn.o_proj.weight"):
-        return InitSpec(name, (h, q), scaled, 1)
+        return InitSpec(name, (h, q), scaled, split)
     if name.endswith("mlp.gate_up.weight"):
-        return InitSpec(name, (2 * inter, h), init_std, 0, (inter, inter))
+        return InitSpec(name, (2 * inter, h), init_std, split, (inter, inter))
     if name.endswith("mlp.down.weight"):
-        return InitSpec(name, (h, inter), scaled, 1)
+        return InitSpec(name, (h, inter), scaled, split)
     if ".mlp." in name and getattr(c, "moe_config", None) is not None:
         return moe_init_spec(c, name, init_std, scaled)
     raise KeyError(f"no initialisation rule for parameter {name!r}")
@@ -103,16 +120,17 @@ def moe_init_spec(c, name: str, init_std: float, scaled: float) -> InitSpec:
     output projection scaled as the dense one's."""
     m, h = c.moe_config, c.hidden_size
     moe_inter, shared = m.moe_intermediate_size, m.shared_expert_intermediate_size
+    split = LLAMA_TP_PLAN.shard_dim(name)
     if name.endswith("mlp.router.weight"):
-        return InitSpec(name, (m.num_experts, h), init_std, None)
+        return InitSpec(name, (m.num_experts, h), init_std, split)
     if name.endswith("mlp.experts.gate_up_proj"):
-        return InitSpec(name, (m.num_experts, h, 2 * moe_inter), init_std, None, experts=True)
+        return InitSpec(name, (m.num_experts, h, 2 * moe_inter), init_std, split, experts=True)
     if name.endswith("mlp.experts.down_proj"):
-        return InitSpec(name, (m.num_experts, moe_inter, h), scaled, None, experts=True)
+        return InitSpec(name, (m.num_experts, moe_inter, h), scaled, split, experts=True)
     if name.endswith("mlp.shared_expert.gate_up.weight"):
-        return InitSpec(name, (2 * shared, h), init_std, 0, (shared, shared))
+        return InitSpec(name, (2 * shared, h), init_std, split, (shared, shared))
     if name.endswith("mlp.shared_expert.down.weight"):
-        return InitSpec(name, (h, shared), scaled, 1)
+        return InitSpec(name, (h, shared), scaled, split)
     if name.endswith("mlp.shared_expert_gate.weight"):
-        return InitSpec(name, (1, h), init_std, None)
+        return InitSpec(name, (1, h), init_std, split)
     raise KeyError(f"no initialisation rule for parameter {name!r}")

@@ -10,7 +10,6 @@ from torch.utils.checkpoint import checkpoint
 
 from nanotron_parallel.compile_boundary import prepare_compile
 from nanotron_parallel.sharding import (
-    expert_shard,
     gather_full,
     get_param_meta,
 )
@@ -26,10 +25,11 @@ from .attention import resolve_backend
 from .blocks import Batch, DecoderLayer, Embedding, LMHead, Loss, RMSNorm, linear_mode
 from .config import ATTN_BACKENDS, LlamaConfig, ModelConfigError
 from .flops import llama_block_names
+from .init import llama_init_spec
 from .kv_cache import KVCache
 from .masks import DOCUMENT_IDS_KEY, document_ids
 from .materialise import TIED_KEY as TIED_KEY  # the name tied parameters share
-from .materialise import materialise
+from .materialise import load_full_tensors, materialise, missing_parameters
 from .moe import MoEBlock, moe_layers_of
 from .rotary import RotaryTable
 
@@ -358,7 +358,10 @@ def build_llama_stage(
     stage = LlamaStage(
         config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype, dispatcher
     )
-    materialise(stage, config, pc.tp_rank, pc.tp_size, seed, std, device, dtype, scaling_method)
+    materialise(
+        stage, config, llama_init_spec, pc.tp_rank, pc.tp_size, seed, std, device, dtype,
+        scaling_method,
+    )  # fmt: skip
     return stage
 
 
@@ -388,20 +391,11 @@ def full_state_dict(stage: LlamaStage, grads: bool = False) -> dict[str, torch.T
     return out
 
 
-@torch.no_grad()
 def load_full_state_dict(stage: LlamaStage, full_sd: dict[str, torch.Tensor]) -> None:
     """Copy full (unpadded) tensors into this rank's shards of the stage's parameters."""
-    from .hf import HFConversionError, shard_full_state_dict
+    from .hf import HFConversionError
 
-    own = dict(stage.named_parameters(remove_duplicate=False))
-    missing = [n for n in own if n not in full_sd]
+    missing = missing_parameters(stage, full_sd)
     if missing:
         raise HFConversionError(f"state dict lacks {missing}")
-    shards = shard_full_state_dict(
-        {n: full_sd[n] for n in own}, stage.config, stage.pc.tp_rank, stage.pc.tp_size
-    )
-    for name, param in own.items():
-        shard, experts = shards[name], expert_shard(param)
-        if experts is not None:  # full over every expert: this rank's ones
-            shard = shard.narrow(0, experts.first_local_expert, experts.num_local_experts)
-        param.copy_(shard.to(param.dtype))
+    load_full_tensors(stage, full_sd, llama_init_spec)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from nanotron_models.chunks import StageChunks
-from nanotron_models.model import LlamaStage
+from nanotron_models.stage import ModelStage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.data_parallel import DataParallelGrads, SplitGrads, build_data_parallel
 from nanotron_parallel.pipeline import engine
@@ -54,7 +54,7 @@ from nanotron_train.config.schema import Config
 
 @dataclass
 class ParallelModel:
-    """What the trainer steps: the model (a LlamaStage, or StageChunks), its tied groups and
+    """What the trainer steps: the model (a ModelStage, or StageChunks), its tied groups and
     its data-parallel gradients."""
 
     model: nn.Module
@@ -67,7 +67,7 @@ class ParallelModel:
 
 
 def parallelize(
-    model: LlamaStage | list[LlamaStage], cfg: Config, pc: ParallelContext
+    model: ModelStage | list[ModelStage], cfg: Config, pc: ParallelContext
 ) -> ParallelModel:
     """Apply the steps of the module docstring, in order, to this rank's chunk(s)."""
     chunks = list(model) if isinstance(model, list) else [model]
@@ -96,7 +96,7 @@ def parallelize(
 
 
 def data_parallel(
-    stage: nn.Module, chunks: list[LlamaStage], tied: TiedParameters, cfg: Config, pc
+    stage: nn.Module, chunks: list[ModelStage], tied: TiedParameters, cfg: Config, pc
 ) -> DataParallelGrads | SplitGrads:
     """Step 5: dense parameters over dp x cp; expert parameters (is_expert_param), when the
     model has any, in buckets of their own over edp x cp, summed there and scaled by the same
