@@ -2,10 +2,14 @@
 
 A row gathers what the rest of the stack needs of a family: its config class; its blocks
 (names in forward order, their relative costs for pipeline placement, the builder of a
-stage holding some of them); its parameter naming (the global names' init/sharding rule and
-the name tied parameters share); its size and FLOPs; and its Hugging Face mapping (config and
-state dict, both ways). Llama and Nanotron's Qwen2; another family is its modules plus one
-row in `FAMILIES`.
+stage holding some of them, which blocks are its layers); its parameters (the global names'
+init rule, the tensor-parallel plan, the name tied parameters share); its size, FLOPs and
+activation memory; its decoding state; the config fields that make two models the same
+architecture; and its Hugging Face and Nanotron mappings. Llama and Nanotron's Qwen2.
+
+Everything outside a family's own modules reaches the family through its row and the stage
+interface (stage.py), never through its functions (tests/train/test_import_graph.py checks
+this): another family is its modules plus one row in `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from .config import LlamaConfig, ModelConfigError
 from .flops import (
+    llama_activation_elements,
     llama_block_costs,
     llama_block_names,
     num_parameters,
@@ -38,9 +43,13 @@ from .hf_mixtral import (
 )
 from .hf_qwen2 import qwen2_architecture, qwen2_config_from_hf, qwen2_config_to_hf
 from .hf_qwen2_moe import qwen2_moe_config_from_hf, qwen2_moe_config_to_hf
-from .init import InitSpec, llama_init_spec
+from .init import LLAMA_TP_PLAN, InitSpec, llama_init_spec
+from .kv_cache import KVCache
+from .materialise import load_full_tensors, missing_parameters, shard_full_tensors
 from .model import TIED_KEY, build_llama_stage
+from .nanotron_names import LLAMA_NANOTRON_LAYER_NAMES, LLAMA_NANOTRON_TOP_NAMES
 from .qwen2 import Qwen2Config
+from .tp_plan import TPPlan
 
 
 @dataclass(frozen=True)
@@ -70,24 +79,61 @@ class HFMapping:
 
 
 @dataclass(frozen=True)
+class NanotronNames:
+    """A family's parameter names in Nanotron's module tree, ours -> Nanotron's: `top` whole
+    names (embedding, final norm, lm_head); `layer` the names inside layer i, which Nanotron
+    writes `model.decoder.{i}.pp_block.<name>` and we `<layer_prefix>{i}.<name>`."""
+
+    top: dict[str, str]
+    layer: dict[str, str]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
-    """Everything about one family. `build_stage(config, pc, block_names, **options)` builds
-    the named contiguous blocks with this rank's tp shards; `block_names(config)` lists every
+    """Everything about one family.
+
+    Blocks: `build_stage(config, pc, block_names, **options)` builds the named contiguous
+    blocks with this rank's tp shards (a stage.ModelStage); `block_names(config)` lists every
     block in forward order and `block_costs(config, seq_len)` their forward FLOPs;
-    `init_spec(config, name, std, tp, scaling_method)` says how parameter `name` is made and
-    sharded; parameters tied across stages share the name `tied_key`."""
+    `layer_prefix` starts the names of the layers (`decoder.{i}`), the blocks pipeline
+    placement moves; the others stay at the ends they are at (embedding first; norm, head
+    and loss last).
+    Parameters: `init_spec(config, name, std, tp, scaling_method)` says how parameter `name`
+    is made and cut over tp, by `tp_plan` (which layer is split how; the blocks build their
+    layers by the same plan); parameters tied across stages share the name `tied_key`.
+    Sizes: `num_parameters(config)`; `training_flops_per_token(config, seq_len)` (forward +
+    backward, for MFU); `activation_elements(config, tp, sequence_parallel)` -> (elements one
+    layer saves per token for the backward, elements of a layer's input per token): the
+    memory check before allocation.
+    Architecture: `arch_keys`, the config fields that change the parameters or the maths (a
+    checkpoint and a config, or an HF model and a config, must agree on them);
+    `optional_arch_keys`, the same for features off by default, compared only when either
+    side turns them on.
+    Decoding: `new_decode_state(config)` makes the empty per-sequence state decoding carries
+    from step to step (a KV cache for attention), passed to the stage's `logits` and
+    `decode_blocks`.
+    Interop: `hf` (Hugging Face config and weights), `nanotron_names` (Nanotron's parameter
+    names), `yaml_marker` (the model_config key that names the family in a Nanotron YAML).
+    """
 
     name: str
     config_class: type
     build_stage: Callable[..., nn.Module]
     block_names: Callable[[Any], list[str]]
     block_costs: Callable[[Any, int], list[float]]
+    layer_prefix: str
     init_spec: Callable[..., InitSpec]
+    tp_plan: TPPlan
     tied_key: str
     num_parameters: Callable[[Any], int]
     training_flops_per_token: Callable[[Any, int], float]
+    activation_elements: Callable[[Any, int, bool], tuple[int, int]]
+    arch_keys: tuple[str, ...]
+    optional_arch_keys: tuple[str, ...]
+    new_decode_state: Callable[[Any], Any]
     hf: HFMapping
-    yaml_marker: str = ""  # the model_config key that names the family in a Nanotron YAML
+    nanotron_names: NanotronNames
+    yaml_marker: str = ""
 
 
 def _get(hf_config: Any, key: str) -> Any:
@@ -121,10 +167,36 @@ LLAMA = ModelFamily(
     build_stage=build_llama_stage,
     block_names=llama_block_names,
     block_costs=llama_block_costs,
+    layer_prefix="decoder.",
     init_spec=llama_init_spec,
+    tp_plan=LLAMA_TP_PLAN,
     tied_key=TIED_KEY,
     num_parameters=num_parameters,
     training_flops_per_token=training_flops_per_token,
+    activation_elements=llama_activation_elements,
+    arch_keys=(
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "hidden_act",
+        "rope_interleaved",
+    ),  # fmt: skip
+    # Qwen2's biases, windows, NoPE layers and position interpolation: a Llama checkpoint
+    # still resumes under a Qwen2 config that turns none of them on.
+    optional_arch_keys=(
+        "attention_bias",
+        "sliding_window_size",
+        "no_rope_layer",
+        "rope_seq_len_interpolation_factor",
+    ),  # fmt: skip
+    new_decode_state=lambda config: KVCache(),
     hf=HFMapping(
         model_type="llama",
         architectures=("LlamaForCausalLM", "MixtralForCausalLM"),
@@ -135,6 +207,7 @@ LLAMA = ModelFamily(
         model_types=("llama", "mixtral"),
         architecture_of=lambda c: "MixtralForCausalLM" if c.moe_config else "LlamaForCausalLM",
     ),
+    nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, LLAMA_NANOTRON_LAYER_NAMES),
     yaml_marker="is_llama_config",
 )
 
@@ -219,3 +292,25 @@ def family_of(config: Any) -> ModelFamily:
         if isinstance(config, row.config_class):
             return row
     raise ModelConfigError(f"no model family has the config class {type(config).__name__}")
+
+
+def shard_full_state_dict(
+    full_sd: dict[str, Any], config: Any, tp_rank: int, tp_size: int
+) -> dict[str, Any]:
+    """Full tensors (our global names; vocab padded or not) -> tp rank `tp_rank`'s shards of
+    the model `config` describes, cut and vocab-padded as its family initialises them."""
+    return shard_full_tensors(full_sd, config, family_of(config).init_spec, tp_rank, tp_size)
+
+
+def load_full_state_dict(stage: nn.Module, full_sd: dict[str, Any]) -> None:
+    """Copy full tensors (our global names) into this rank's shards of `stage`, a stage of any
+    family; a parameter `full_sd` lacks is a ModelConfigError naming them."""
+    missing = missing_parameters(stage, full_sd)
+    if missing:
+        raise ModelConfigError(f"state dict lacks {missing}")
+    load_full_tensors(stage, full_sd, family_of(stage.config).init_spec)
+
+
+def config_classes() -> tuple[type, ...]:
+    """Every family's config class, in `FAMILIES`' order (Llama first, as Nanotron tries)."""
+    return tuple(row.config_class for row in FAMILIES.values())

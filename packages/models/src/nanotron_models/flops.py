@@ -123,3 +123,34 @@ def llama_block_specs(config: LlamaConfig, seq_len: int | None = None) -> list[B
     s = seq_len if seq_len is not None else config.max_position_embeddings
     names, costs = llama_block_names(config), llama_block_costs(config, s)
     return [BlockSpec(n, c) for n, c in zip(names, costs)]
+
+
+def _mlp_activation_elements(c: LlamaConfig, tp: int) -> int:
+    """Saved elements per token of the largest feed-forward block: the dense MLP's gate, up,
+    silu and product; a MoE layer's routed copies of the token (top_k of them, with their
+    gate_up, silu and product), router scores and shared expert."""
+    dense = 4 * c.intermediate_size // tp
+    m = getattr(c, "moe_config", None)
+    if m is None:
+        return dense
+    routed = m.top_k * (c.hidden_size + 4 * m.moe_intermediate_size) + 3 * m.num_experts
+    shared = 4 * m.shared_expert_intermediate_size // tp if m.enable_shared_expert else 0
+    return max(dense, routed + shared)
+
+
+def llama_activation_elements(
+    config: LlamaConfig, tp: int, sequence_parallel: bool
+) -> tuple[int, int]:
+    """(saved elements per token of one decoder layer, of one layer's input) on a tp rank,
+    for the memory check before allocation; `sequence_parallel`: REDUCE_SCATTER mode, where
+    the residual stream holds 1/tp of the sequence."""
+    c = config
+    h = c.hidden_size
+    d = h // c.num_attention_heads
+    hs = h // tp if sequence_parallel else h
+    qkv = (c.num_attention_heads + 2 * c.n_kv_heads) * d // tp
+    attn = c.num_attention_heads * d // tp
+    # two norms (input, normed, gathered linear input), residual, qkv + rotated q/k, the
+    # attention's output (and o_proj's input), gate, up, silu and product of the MLP
+    per_layer = 4 * hs + 2 * h + 2 * qkv + 2 * attn + _mlp_activation_elements(c, tp)
+    return per_layer, hs

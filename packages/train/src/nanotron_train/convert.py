@@ -142,11 +142,16 @@ def _derived_config(hf: dict, model_config, dtype: str, tokenizer: str | None, o
 
 
 def _check_same_model(cfg, model_config, config_file: str) -> None:
-    from nanotron_train.checkpoints.load import ARCH_KEYS
+    from nanotron_models.families import family_of
     from nanotron_train.model_factory import padded_model_config
 
     mine, theirs = padded_model_config(cfg.model).to_dict(), model_config.to_dict()
-    diff = [f"{k}: config {mine[k]!r}, HF {theirs[k]!r}" for k in ARCH_KEYS if mine[k] != theirs[k]]
+    keys = family_of(model_config).arch_keys  # the HF model's family's architecture fields
+    diff = [
+        f"{k}: config {mine.get(k)!r}, HF {theirs.get(k)!r}"
+        for k in keys
+        if mine.get(k) != theirs.get(k)
+    ]
     if diff:
         raise HFFolderError(
             f"{config_file}: model.model_config does not describe the HF model "
@@ -212,18 +217,20 @@ def save_imported(
 ) -> Path:
     """Write `<out>/<step>/` holding the weights `full_state_dict(model_config)` returns (our
     global names, full tensors), a fresh optimizer, the LR schedule at `step` and `cfg`."""
-    from nanotron_models import build_llama, load_full_state_dict
     from nanotron_models.config import DTYPES
+    from nanotron_models.families import load_full_state_dict
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.checkpoints import save_checkpoint
     from nanotron_train.lr_schedule import build_lr_schedule
-    from nanotron_train.model_factory import padded_model_config
+    from nanotron_train.model_factory import build_family_stage, padded_model_config
 
     pc = ParallelContext()
     try:
         torch.manual_seed(cfg.general.seed)
         mc = padded_model_config(cfg.model)
-        model = build_llama(mc, pc, dtype=DTYPES[cfg.model.dtype], seed=cfg.general.seed)
+        model = build_family_stage(
+            mc, pc, cfg.tokens.sequence_length, dtype=DTYPES[cfg.model.dtype], seed=cfg.general.seed
+        )
         load_full_state_dict(model, full_state_dict(mc))
         # The state a run at `step` would checkpoint, before any optimizer step was taken.
         state = SimpleNamespace(

@@ -1,31 +1,57 @@
-"""Build this rank's blocks of the Llama from a training config (before `parallelize`).
+"""Build this rank's blocks of a model, of any family, from a training config (before
+`parallelize`).
 
-One place for what the trainer and the HF import (convert.py) need: the vocabulary padding,
-the placement of blocks over pipeline stages, and this rank's stage (or its v chunks under the
-interleaved engine). The blocks are built with this rank's tp shards, in the default tp mode;
-`parallelize.py` then applies every parallel and speed option.
+One place for what the trainer, inference (inference/model_io.py) and the imports
+(convert.py) need: the vocabulary padding, the placement of blocks over pipeline stages (by
+estimated compute at the training sequence length), and this rank's stage (or its v chunks
+under the interleaved engine). The family is the config's row in `nanotron_models.families`;
+the blocks are built with this rank's tp shards, in the default tp mode; `parallelize.py`
+then applies every parallel and speed option.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
-from nanotron_models import LlamaConfig
 from nanotron_models.config import DTYPES
 from nanotron_models.families import family_of
-from nanotron_models.model import LlamaStage
+from nanotron_models.stage import ModelStage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.expert_parallel import make_dispatcher
 from nanotron_parallel.pipeline import engine, stage_block_names
 from nanotron_train.config.schema import Config, ModelArgs
 
 
-def padded_model_config(model: ModelArgs) -> LlamaConfig:
+def padded_model_config(model: ModelArgs) -> Any:
     """Nanotron rounds the vocabulary up to make_vocab_size_divisible_by (layout-independent)."""
     mc = model.model_config
     div = model.make_vocab_size_divisible_by
     padded = -(-mc.vocab_size // div) * div
     return mc if padded == mc.vocab_size else replace(mc, vocab_size=padded)
+
+
+def build_family_stage(
+    mc: Any,
+    pc: ParallelContext,
+    sequence_length: int,
+    stage: int = 0,
+    num_stages: int = 1,
+    **options: Any,
+) -> ModelStage:
+    """The blocks of pipeline stage `stage` of `num_stages` of model config `mc` (its family's
+    row builds them), balanced by estimated compute at `sequence_length`, with this rank's tp
+    shards; `options` go to the row's `build_stage` (seed, init_std, dtype, device, ...).
+    A mixture-of-experts model reaches its experts over the ep group (one rank: all local)."""
+    family = family_of(mc)
+    names = family.block_names(mc)
+    costs = family.block_costs(mc, sequence_length)
+    moe = getattr(mc, "moe_config", None)
+    if moe is not None and "dispatcher" not in options:
+        group = pc.ep_group if pc.ep_size > 1 else None
+        options["dispatcher"] = make_dispatcher(moe.token_dispatcher_type, moe.num_experts, group)
+    placed = stage_block_names(names, costs, num_stages, stage, family.layer_prefix)
+    return family.build_stage(mc, pc, placed, **options)
 
 
 def build_model(
@@ -35,34 +61,24 @@ def build_model(
     pc: ParallelContext,
     stage: int | None = None,
     num_stages: int | None = None,
-) -> LlamaStage:
+) -> ModelStage:
     """The blocks of pipeline stage `stage` of `num_stages` (default: this rank's of pp),
     balanced by estimated compute at `sequence_length`, with this rank's tp shards."""
-    mc = padded_model_config(model)
-    stage = pc.pp_rank if stage is None else stage
-    num_stages = pc.pp_size if num_stages is None else num_stages
-    family = family_of(mc)
-    names = family.block_names(mc)
-    costs = family.block_costs(mc, sequence_length)
-    moe = getattr(mc, "moe_config", None)  # experts over the ep group (one rank: all local)
-    experts = {}
-    if moe is not None:
-        group = pc.ep_group if pc.ep_size > 1 else None
-        experts["dispatcher"] = make_dispatcher(moe.token_dispatcher_type, moe.num_experts, group)
-    return family.build_stage(
-        mc,
+    return build_family_stage(
+        padded_model_config(model),
         pc,
-        stage_block_names(names, costs, num_stages, stage),
+        sequence_length,
+        pc.pp_rank if stage is None else stage,
+        pc.pp_size if num_stages is None else num_stages,
         seed=seed,
         init_std=model.init_method.std,
         scaling_method=model.init_method.scaling_method,
         dtype=DTYPES[model.dtype],
         device=pc.device,
-        **experts,
     )
 
 
-def build_stage_chunks(cfg: Config, pc: ParallelContext) -> list[LlamaStage]:
+def build_stage_chunks(cfg: Config, pc: ParallelContext) -> list[ModelStage]:
     """This rank's chunks: one stage, or for an engine with several chunks per rank its
     chunks in the engine's order (interleaved-1f1b: v chunks, chunk c = virtual stage
     c * pp + pp_rank; zbv: two, virtual stages pp_rank and 2 pp - 1 - pp_rank), of pp * chunks

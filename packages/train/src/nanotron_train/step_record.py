@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron_models.config import DTYPES
-from nanotron_models.flops import training_flops_per_token
+from nanotron_models.families import family_of
 from nanotron_parallel.pipeline import loss_on_all_pp_ranks
 from nanotron_train.fault.nonfinite import stop as nonfinite_stop
 from nanotron_train.model_factory import padded_model_config
@@ -39,6 +39,7 @@ class StepRecorder:
         self.global_batch_size = global_batch_size
         self.pc, self.fault, self.named_params, self.grads = pc, fault, named_params, grads
         self.model_config = padded_model_config(model_args)
+        self.flops_per_token = family_of(self.model_config).training_flops_per_token
         self.peak_tflops = device_peak_tflops(pc.device, DTYPES[model_args.dtype])
 
     def global_mean_loss(self, last_stage_loss: torch.Tensor | None) -> float:
@@ -77,7 +78,7 @@ class StepRecorder:
         record = make_record(
             measure,
             self.pc.world_size,
-            training_flops_per_token(self.model_config, out.sequence_length),
+            self.flops_per_token(self.model_config, out.sequence_length),
             self.peak_tflops,
             peak_memory_bytes(self.pc.device),
             self.global_batch_size,

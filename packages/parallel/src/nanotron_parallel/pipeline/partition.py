@@ -107,14 +107,19 @@ def pinned_ends(
 
 
 def stage_block_names(
-    block_names: Sequence[str], costs: Sequence[float], pp: int, pp_rank: int
+    block_names: Sequence[str],
+    costs: Sequence[float],
+    pp: int,
+    pp_rank: int,
+    free_prefix: str = "decoder.",
 ) -> list[str]:
-    """The names of the blocks stage `pp_rank` holds, for the Llama's block naming
-    (`embedding`, `decoder.{i}`, `final_norm`, `lm_head`, `loss`)."""
+    """The names of the blocks stage `pp_rank` holds. The blocks named `free_prefix...` (a
+    family's layers: its row's `layer_prefix`) are placed by cost; those before them stay on
+    the first stage and those after on the last (the embedding; the norm, head and loss)."""
     if len(block_names) != len(costs):
         raise PipelineConfigError(f"{len(block_names)} block names but {len(costs)} costs")
     if not 0 <= pp_rank < pp:
         raise PipelineConfigError(f"pp_rank {pp_rank} is out of range for pp={pp}")
-    first, last = pinned_ends(block_names)
+    first, last = pinned_ends(block_names, free_prefix)
     ranges = partition_blocks(costs, pp, first=first, last=last)
     return [block_names[i] for i in ranges[pp_rank]]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from nanotron_models.families import family_of
 from nanotron_models.moe import moe_state_buffers
 from nanotron_parallel.sharding import is_expert_param
 from nanotron_train.checkpoints.errors import CheckpointError
@@ -35,18 +36,7 @@ from nanotron_train.checkpoints.save import _agree
 from nanotron_train.checkpoints.source import CheckpointSource
 from nanotron_train.lr_schedule import LRSchedule
 
-# Fields that change the model's parameters or maths; the rest (kernels, token ids) may differ.
-ARCH_KEYS = (
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "hidden_act", "rope_interleaved",
-)  # fmt: skip
-# A family's own architecture keys (Qwen2's biases, windows, NoPE layers, position
-# interpolation): compared when either side sets them, so a Llama checkpoint still resumes
-# under a Qwen2 config that adds none of them.
-FAMILY_ARCH_KEYS = (
-    "attention_bias", "sliding_window_size", "no_rope_layer", "rope_seq_len_interpolation_factor",
-)  # fmt: skip
+# An optional architecture field left off: unset on both sides counts as the same.
 _UNSET = (None, False)
 
 
@@ -91,14 +81,18 @@ def check_files(folder: Path, meta: dict) -> None:
 
 
 def check_model_config(folder: Path, meta: dict, model_config) -> None:
+    """The checkpoint's model is the config's: the fields that change the parameters or the
+    maths (the family's `arch_keys`, and its `optional_arch_keys` where either side sets
+    them) agree; the rest (kernels, token ids) may differ."""
     saved, mine = meta.get("model_config") or {}, model_config.to_dict()
+    row = family_of(model_config)
     diff = [
         f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
-        for k in ARCH_KEYS
+        for k in row.arch_keys
         if saved.get(k) != mine.get(k)
     ] + [
         f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
-        for k in FAMILY_ARCH_KEYS
+        for k in row.optional_arch_keys
         if saved.get(k) != mine.get(k) and not (saved.get(k) in _UNSET and mine.get(k) in _UNSET)
     ]
     if diff:

@@ -29,9 +29,10 @@ def cp_attention(par, model_config) -> str:
 
 
 def _ulysses_heads_ok(cfg: Config) -> bool:
-    par, heads = cfg.parallelism, cfg.model.model_config.num_attention_heads
+    par = cfg.parallelism
     if par.context_parallel_size == 1 or cp_attention(par, cfg.model.model_config) != "ulysses":
-        return True
+        return True  # (a family without attention heads never gets here with ulysses)
+    heads = cfg.model.model_config.num_attention_heads
     return heads % (par.context_parallel_size * par.tp) == 0
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 import types
 import typing
 from typing import Any, Literal, Union
 
+from nanotron_models.families import family_of_yaml
 from nanotron_train.config.errors import ConfigError
 
 
@@ -85,13 +85,10 @@ def _convert_union(value: Any, tp: Any, key: str, source: str) -> Any:
 
 
 def _named_class(classes: list, value: dict) -> type:
-    for cls in classes:
-        markers = [
-            f.name for f in dataclasses.fields(cls) if re.fullmatch(r"is_\w+_config", f.name)
-        ]
-        if any(value.get(m) is True for m in markers):
-            return cls
-    return classes[0]
+    """The class of the model family the mapping names (its row's marker key, families.py),
+    when it is one of `classes`; else the first."""
+    cls = family_of_yaml(value).config_class
+    return cls if cls in classes else classes[0]
 
 
 def _convert_literal(value: Any, tp: Any, key: str, source: str) -> Any:

@@ -15,9 +15,10 @@ in flight; the embedding and the head are both counted):
     shard them over dp x cp);
   * optimizer: AdamW's two fp32 moments plus an fp32 master copy of low-precision weights,
     sharded over dp x cp from ZeRO-1 on;
-  * activations: per token and layer, the tensors autograd saves (norm inputs and outputs, q,
-    k, v, attention output, the MLP's gate, up and product; the hidden-size ones split over tp
-    only in REDUCE_SCATTER mode), for mbs x sequence / cp tokens, times the micro-batches in
+  * activations: per token and layer, the tensors autograd saves (the family's count, its
+    row's `activation_elements`; for Llama: norm inputs and outputs, q, k, v, attention
+    output, the MLP's gate, up and product; the hidden-size ones split over tp only in
+    REDUCE_SCATTER mode), for mbs x sequence / cp tokens, times the micro-batches in
     flight (afab: all of them; 1f1b: pp; interleaved: 2 pp), only layer inputs under
     recompute_layer plus one layer's whole set, and one layer's set again in fp32 for the
     backward's working set; attention itself is taken as O(sequence) (flash / SDPA kernels),
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron_models.config import DTYPES
-from nanotron_models.flops import num_parameters
+from nanotron_models.families import family_of
 from nanotron_parallel.pipeline import engine
 
 GIB = 2**30
@@ -76,7 +77,7 @@ def _stage_parameters(cfg) -> int:
     div = cfg.model.make_vocab_size_divisible_by
     vocab = -(-mc.vocab_size // div) * div
     experts = _routed_expert_parameters(mc)  # replicated over tp, split over ep
-    per_layer = (num_parameters(mc) - mc.vocab_size * mc.hidden_size * (2 - mc.tie_word_embeddings)
+    per_layer = (family_of(mc).num_parameters(mc) - mc.vocab_size * mc.hidden_size * (2 - mc.tie_word_embeddings)
                  - mc.hidden_size - experts) // mc.num_hidden_layers  # fmt: skip
     layers = math.ceil(mc.num_hidden_layers / par.pp)
     heads = 1 if (par.pp == 1 and mc.tie_word_embeddings) else 2
@@ -93,31 +94,12 @@ def _routed_expert_parameters(mc) -> int:
     return per_layer * len(m.moe_layers(mc.num_hidden_layers))
 
 
-def _mlp_activation_elements(mc, tp: int) -> int:
-    """Saved elements per token of the largest feed-forward block: the dense MLP's gate, up,
-    silu and product; a MoE layer's routed copies of the token (top_k of them, with their
-    gate_up, silu and product), router scores and shared expert."""
-    dense = 4 * mc.intermediate_size // tp
-    m = getattr(mc, "moe_config", None)
-    if m is None:
-        return dense
-    routed = m.top_k * (mc.hidden_size + 4 * m.moe_intermediate_size) + 3 * m.num_experts
-    shared = 4 * m.shared_expert_intermediate_size // tp if m.enable_shared_expert else 0
-    return max(dense, routed + shared)
-
-
 def _activation_elements_per_token(cfg) -> tuple[int, int]:
-    """(saved elements per token of one layer, of one layer's input) on this tp rank."""
+    """(saved elements per token of one layer, of one layer's input) on this tp rank: the
+    family's count (its row's `activation_elements`)."""
     mc, par = cfg.model.model_config, cfg.parallelism
-    h, tp = mc.hidden_size, par.tp
-    d = h // mc.num_attention_heads
-    hs = h // tp if par.tp_mode == "REDUCE_SCATTER" else h
-    qkv = (mc.num_attention_heads + 2 * mc.n_kv_heads) * d // tp
-    attn = mc.num_attention_heads * d // tp
-    # two norms (input, normed, gathered linear input), residual, qkv + rotated q/k, the
-    # attention's output (and o_proj's input), gate, up, silu and product of the MLP
-    per_layer = 4 * hs + 2 * h + 2 * qkv + 2 * attn + _mlp_activation_elements(mc, tp)
-    return per_layer, hs
+    sequence_parallel = par.tp_mode == "REDUCE_SCATTER"
+    return family_of(mc).activation_elements(mc, par.tp, sequence_parallel)
 
 
 def _in_flight(cfg) -> int:

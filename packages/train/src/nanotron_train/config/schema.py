@@ -10,14 +10,15 @@ Nanotron writes loads as it is; README.md's key table says what each one does he
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
-from nanotron_models.config import LlamaConfig
-from nanotron_models.qwen2 import Qwen2Config
+from nanotron_models.families import config_classes
 from nanotron_train.config.loader import to_dict
 from nanotron_train.data.stages import DatasetSpec
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
+# `model.model_config`: the config class of any family (nanotron_models.families' rows).
+ModelConfig = Union[config_classes()]  # noqa: UP007 (a union built from the registry)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class InitMethod:
 @dataclass
 class ModelArgs:
     # The family is the class the YAML names (`is_qwen2_config: true`), else Llama.
-    model_config: LlamaConfig | Qwen2Config
+    model_config: ModelConfig
     init_method: InitMethod = field(default_factory=InitMethod)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     make_vocab_size_divisible_by: int = 1

@@ -1,11 +1,13 @@
-"""Batched decoding of prompts of different lengths with the KV cache (any tp; a model split
-over pp stages or interleaved chunks runs each step through pipelined_decoding.py).
+"""Batched decoding of prompts of different lengths with the family's decoding state (a KV
+cache for attention; any tp; a model split over pp stages or interleaved chunks runs each step
+through pipelined_decoding.py). Any family: the stage is reached through its declared
+interface (nanotron_models.stage) and the decoding state made by the family's row.
 
 Prompts are left-padded to one length. Each sequence keeps its own positions (0 at its first
 real token, as Hugging Face computes them from the attention mask) and a key mask hides the
 padding from every query, so a prompt's tokens do not depend on the others in the batch.
 
-`LlamaStage.logits` takes that key mask and the per-sequence positions.
+The stage's `logits` takes that key mask and the per-sequence positions.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanotron_models import KVCache
+from nanotron_models.families import family_of
+from nanotron_models.stage import ModelStage
 from nanotron_train.inference.sampling import SamplingParams, make_generator, next_tokens
 
 
@@ -52,14 +55,13 @@ def _agree(tokens: torch.Tensor, pc) -> torch.Tensor:
     return tokens
 
 
-def holds_whole_model(stage) -> bool:
-    """Whether `stage` is one LlamaStage with every block (pp = 1, no virtual chunks)."""
-    names = set(getattr(stage, "block_names", ()))
-    return (
-        not hasattr(stage, "chunks")
-        and {"embedding", "final_norm", "lm_head"} <= names
-        and len(stage.decoder) == stage.config.num_hidden_layers
-    )
+def holds_whole_model(stage: ModelStage) -> bool:
+    """Whether `stage` is one stage holding every block but the loss (pp = 1, no virtual
+    chunks)."""
+    if hasattr(stage, "chunks"):
+        return False
+    every = set(family_of(stage.config).block_names(stage.config)) - {"loss"}
+    return every <= set(getattr(stage, "block_names", ()))
 
 
 def _one_stage_step(stage):
@@ -146,7 +148,7 @@ def generate(
     device = next(stage.parameters()).device
     ids, positions, key_mask = pad_prompts(prompts, max_new_tokens, pad_token_id, device)
     generator = None if sampling.greedy else make_generator(sampling, device)
-    cache = KVCache()
+    cache = family_of(stage.config).new_decode_state(stage.config)
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     result = GenerationResult(out, prompt_tokens=sum(len(p) for p in prompts))
@@ -160,7 +162,7 @@ def generate(
     t0 = time.perf_counter()
     for step in range(max_new_tokens):
         end = start + new.shape[1]
-        # key_mask [b, cache.offset + s] is True at real tokens, False at left padding
+        # key_mask [b, decoded so far + s] is True at real tokens, False at left padding
         token = forward_step(new, positions[:, start:end], cache, key_mask[:, :end], pick)
         if eos_token_id is not None:
             token = token.masked_fill(done, eos_token_id)

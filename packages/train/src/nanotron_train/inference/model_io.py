@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
-from nanotron_models import LlamaConfig, config_from_dict
+from nanotron_models import config_from_dict
 from nanotron_models.config import DTYPES
-from nanotron_models.flops import llama_block_costs, llama_block_names
-from nanotron_models.model import TIED_KEY, build_llama_stage
-from nanotron_parallel.pipeline import stage_block_names
+from nanotron_models.families import family_of
+from nanotron_models.stage import ModelStage
 from nanotron_parallel.tensor_parallel import TensorParallelLinearMode
 from nanotron_train.checkpoints import CheckpointError, read_metadata, resolve_checkpoint
 from nanotron_train.checkpoints.layout import ShardInfo, canonical_name
@@ -39,7 +39,7 @@ class CheckpointModel:
 
     folder: Path
     metadata: dict
-    model_config: LlamaConfig  # as trained (vocab already padded by the trainer)
+    model_config: Any  # as trained (vocab already padded by the trainer), of any family
     dtype: str  # model.dtype of the training config
     tokenizer_path: str | None  # tokenizer.tokenizer_name_or_path of the training config
     train_config: dict  # the raw config.yaml
@@ -47,6 +47,15 @@ class CheckpointModel:
     @property
     def step(self) -> int:
         return int(self.metadata["step"])
+
+    @property
+    def sequence_length(self) -> int:
+        """The training's tokens.sequence_length (blocks are placed over pipeline stages by
+        their cost at it, as the trainer placed them); max_position_embeddings when the
+        checkpoint has no config.yaml."""
+        tokens = self.train_config.get("tokens") or {}
+        length = tokens.get("sequence_length") if isinstance(tokens, dict) else None
+        return int(length) if length else int(self.model_config.max_position_embeddings)
 
 
 def open_checkpoint(path: str | Path, tokenizer: str | None = None) -> CheckpointModel:
@@ -95,25 +104,27 @@ def load_tokenizer_of(ckpt: CheckpointModel):
 
 def load_model(
     ckpt: CheckpointModel, pc, dtype: torch.dtype | None = None, device=None
-) -> torch.nn.Module:
+) -> ModelStage:
     """The whole model (pp = 1), or this rank's pipeline stage (blocks placed by cost as the
     trainer places them), with this rank's tp shards of the checkpoint's weights.
 
     Built in ALL_REDUCE mode whatever the training used: the weights do not depend on it.
     """
+    from nanotron_train.model_factory import build_family_stage
+
     dtype = dtype if dtype is not None else DTYPES.get(ckpt.dtype, torch.float32)
     mc = ckpt.model_config
-    names = llama_block_names(mc)
     if pc.pp_size > mc.num_hidden_layers:  # the trainer's rule for its stages
         raise CheckpointError(
             f"--pp {pc.pp_size}: more pipeline stages than the model's "
             f"{mc.num_hidden_layers} decoder layers"
         )
-    costs = llama_block_costs(mc, mc.max_position_embeddings)
-    model = build_llama_stage(
+    model = build_family_stage(
         mc,
         pc,
-        stage_block_names(names, costs, pc.pp_size, pc.pp_rank),
+        ckpt.sequence_length,
+        pc.pp_rank,
+        pc.pp_size,
         tp_mode=TensorParallelLinearMode.ALL_REDUCE,
         dtype=dtype,
         device=device if device is not None else pc.device,
@@ -135,11 +146,12 @@ def full_model_tensors(ckpt: CheckpointModel) -> dict[str, torch.Tensor]:
     """
     src = CheckpointSource.open(ckpt.folder, ckpt.metadata)
     vocab = ckpt.model_config.vocab_size
+    tied_key = family_of(ckpt.model_config).tied_key
     out = {}
     for name, by_tp in src.model.items():
         info = next(iter(by_tp.values()))[1]
         shape = list(info.full_shape)
-        if name in (TIED_KEY, "lm_head.weight"):
+        if name in (tied_key, "lm_head.weight"):
             shape[0] = vocab  # drop the padding rows for the saved tp
         target = ShardInfo(tuple(shape), tuple(shape), None, None, 0, 1)
         out[name] = src.model_shard(name, target).clone()

@@ -3,9 +3,9 @@
 Used by `decoding.generate` when a rank holds one stage (pp > 1) or StageChunks. Virtual stage
 v (v = chunk * pp + pp_rank, the interleaved layout; one chunk per rank without interleaving)
 runs on pp rank v % pp: each runs its blocks on the new positions with its own layers' part
-of the KV cache (one KVCache per rank, keyed by global layer index) and sends the hidden state
-to the owner of v + 1 with the pipeline's p2p `exchange` (from the last pp rank back to the
-first between interleaved chunks). The last virtual stage, always on the last pp rank, gathers
+of the decoding state (one per rank, the family's: a KV cache keyed by global layer index)
+and sends the hidden state to the owner of v + 1 with the pipeline's p2p `exchange` (from
+the last pp rank back to the first between interleaved chunks). The last virtual stage, always on the last pp rank, gathers
 the logits over tp and picks the next tokens; they are broadcast over the pp group so every
 rank of the replica continues the same batch.
 """
@@ -19,7 +19,7 @@ from nanotron_parallel.pipeline.p2p import exchange
 
 
 def stage_chunks(model) -> list:
-    """This rank's LlamaStage chunks, in the order the schedule runs them."""
+    """This rank's stage chunks (ModelStage), in the order the schedule runs them."""
     return list(model.chunks) if hasattr(model, "chunks") else [model]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nanotron_models.hf import shard_full_state_dict
+from nanotron_models.families import shard_full_state_dict
 from nanotron_parallel.sharding import expert_shard
 from nanotron_train.checkpoints.errors import CheckpointError
 

@@ -8,29 +8,14 @@ from __future__ import annotations
 
 import re
 
-_DECODER = {
-    "input_norm.weight": "input_layernorm.weight",
-    "post_attn_norm.weight": "post_attention_layernorm.weight",
-    "attn.qkv.weight": "attn.qkv_proj.weight",
-    "attn.qkv.bias": "attn.qkv_proj.bias",
-    "attn.o_proj.weight": "attn.o_proj.weight",
-    "attn.o_proj.bias": "attn.o_proj.bias",
-    "mlp.gate_up.weight": "mlp.gate_up_proj.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
-    # A Qwen2 MoE layer (Nanotron's nn/moe.py): the experts stacked the same way, [E, H, 2I]
-    "mlp.router.weight": "mlp.router.weight",
-    "mlp.experts.gate_up_proj": "mlp.experts.merged_gate_up_proj",
-    "mlp.experts.down_proj": "mlp.experts.merged_down_proj",
-    "mlp.shared_expert.gate_up.weight": "mlp.shared_expert.gate_up_proj.weight",
-    "mlp.shared_expert.down.weight": "mlp.shared_expert.down_proj.weight",
-    "mlp.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
-}
-_TOP = {
-    "embedding.weight": "model.token_position_embeddings.pp_block.token_embedding.weight",
-    "final_norm.weight": "model.final_layer_norm.pp_block.weight",
-    "lm_head.weight": "model.lm_head.pp_block.weight",
-}
-_LAYER = re.compile(r"decoder\.(\d+)\.(.+)")
+from nanotron_models.families import FAMILIES
+
+# Every family's names (families.py's `nanotron_names`): a name means one parameter whatever
+# the family, so the tables merge; layers are the rows' `layer_prefix`{i}.
+_TOP = {k: v for row in FAMILIES.values() for k, v in row.nanotron_names.top.items()}
+_DECODER = {k: v for row in FAMILIES.values() for k, v in row.nanotron_names.layer.items()}
+_PREFIXES = sorted({row.layer_prefix for row in FAMILIES.values()})
+_LAYER = re.compile(rf"(?:{'|'.join(re.escape(p) for p in _PREFIXES)})(\d+)\.(.+)")
 
 
 def to_nanotron(name: str) -> str | None:
@@ -54,7 +39,7 @@ def from_nanotron(name: str) -> str | None:
     if match:
         for ours, theirs in _DECODER.items():
             if theirs == match.group(2):
-                return f"decoder.{match.group(1)}.{ours}"
+                return f"{_PREFIXES[0]}{match.group(1)}.{ours}"
     return None
 
 

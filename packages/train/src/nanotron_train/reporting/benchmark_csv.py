@@ -44,7 +44,9 @@ def benchmark_row(cfg, records: list[dict[str, Any]], world_size: int, local_wor
         "tp_async_comm": par.tp_linear_async_communication,
         "recompute_layer": par.recompute_layer,
         "hidden_size": mc.hidden_size, "num_layers": mc.num_hidden_layers,
-        "num_heads": mc.num_attention_heads, "num_kv_heads": mc.num_key_value_heads,
+        # Nanotron's columns; a family without attention heads leaves them empty
+        "num_heads": getattr(mc, "num_attention_heads", ""),
+        "num_kv_heads": getattr(mc, "num_key_value_heads", ""),
         "vocab_size": mc.vocab_size, "dtype": cfg.model.dtype,
         "zero_stage": cfg.optimizer.zero_stage, "steps": len(records),
         "mfu": f"{sum(mfu) / len(mfu):.4f}" if mfu else "",
