@@ -113,6 +113,22 @@ def test_the_lock_is_taken_again_or_the_server_stops_writing(pg_server):
     assert log.count("took this database's lock") == 1, log
 
 
+def _ws_during_outage(d) -> tuple[list[dict], int | None]:
+    """A point sent over /ws/ingest with an ack while the database is down: the replies, and
+    the close code."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    replies = []
+    with connect(d.url.replace("http", "ws") + "/ws/ingest", open_timeout=10) as ws:
+        ws.send(json.dumps({**_metric("r", 10**6), "ack": 7}))
+        try:
+            while True:
+                replies.append(json.loads(ws.recv(timeout=10)))
+        except ConnectionClosed as e:
+            return replies, e.rcvd.code if e.rcvd else None
+
+
 def test_an_outage_is_503s_two_log_lines_and_nothing_acked_lost():
     """Finding 10: PostgreSQL stopped for seconds during ingest was a flood of 500s and
     tracebacks. Now: 503 with Retry-After (which the trainer's client honours), one line when
@@ -157,7 +173,9 @@ def test_an_outage_is_503s_two_log_lines_and_nothing_acked_lost():
             t.start()
         time.sleep(1.0)
         server.pause()
-        time.sleep(4.0)
+        time.sleep(1.0)
+        ws_replies, ws_close = _ws_during_outage(d)
+        time.sleep(3.0)
         server.resume()
         deadline = time.monotonic() + 20
         before = len(acked)
@@ -172,6 +190,9 @@ def test_an_outage_is_503s_two_log_lines_and_nothing_acked_lost():
         d.stop()
         server.stop()
     log = d.proc.stdout.read().decode()
+    # a websocket trainer: its point refused with 503, then closed to reconnect and replay
+    assert ws_replies[0]["status"] == 503 and ws_replies[0]["ack"] == 7, ws_replies
+    assert ws_close == 1013, ws_close
     assert seen.get(503, 0) >= 1 and seen.get("read 503", 0) >= 1, seen
     assert set(seen) <= {200, 503, "read 200", "read 503"} and all(retry_ok), seen
     assert len(acked) >= before + 20, (seen, len(acked))  # recovered
