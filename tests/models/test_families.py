@@ -69,3 +69,53 @@ def test_a_second_family_is_one_row(monkeypatch) -> None:
     )
     assert family("other") is other and family_of(OtherConfig()) is other
     assert family_of(LlamaConfig()).name == "llama"
+
+
+def test_a_built_stage_is_a_model_stage_and_the_row_decodes_it(pc1) -> None:
+    """The declared stage interface (stage.py) is what a family's build_stage returns, and
+    the row's decoding state carries an incremental decode equal to the whole sequence."""
+    from nanotron_models.stage import ModelStage
+
+    config = tiny_config(num_hidden_layers=2)
+    llama = family("llama")
+    stage = llama.build_stage(config, pc1, llama.block_names(config), seed=7)
+    assert isinstance(stage, ModelStage)
+    ids = torch.randint(0, config.vocab_size, (2, 6))
+    whole = stage.logits(ids)
+    state = llama.new_decode_state(config)
+    steps = [stage.logits(ids[:, :4], None, state), stage.logits(ids[:, 4:], None, state)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_one_tp_plan_is_read_by_building_and_by_initialisation(pc1) -> None:
+    """Every parameter's split, as the layer the block built declares it (ParamMeta on the
+    meta-device parameter), is the row's tp_plan's and the init spec's."""
+    from nanotron_models.blocks import linear_mode
+    from nanotron_models.model import LlamaStage
+    from nanotron_models.moe import MoEConfig
+    from nanotron_parallel.sharding import get_param_meta
+
+    moe = MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=32, enable_shared_expert=True,
+                    shared_expert_intermediate_size=48)  # fmt: skip
+    for config in (tiny_config(attention_bias=True), tiny_config(moe_config=moe)):
+        llama = family_of(config)
+        names = llama.block_names(config)
+        stage = LlamaStage(config, pc1, names, linear_mode("ALL_REDUCE"), "sdpa", "meta",
+                           torch.float32)  # fmt: skip
+        for name, param in stage.named_parameters():
+            meta = get_param_meta(param)
+            built = None if meta is None else meta.shard_dim
+            planned = llama.tp_plan.shard_dim(name)
+            assert built == planned == llama.init_spec(config, name, 0.02, 1).shard_dim, name
+
+
+def test_the_row_says_which_config_fields_make_the_architecture() -> None:
+    """Arch keys are fields of the family's config; optional ones of some family's (a Llama
+    checkpoint and a Qwen2 config, or the reverse, compare Qwen2's when either sets them)."""
+    every = {f.name for row in FAMILIES.values() for f in dataclasses.fields(row.config_class)}
+    for row in FAMILIES.values():
+        fields = {f.name for f in dataclasses.fields(row.config_class)}
+        assert set(row.arch_keys) <= fields and set(row.optional_arch_keys) <= every, row.name
+        assert not set(row.arch_keys) & set(row.optional_arch_keys)
+        assert all(n.startswith(row.layer_prefix) for n in row.block_names(row.config_class())
+                   if "." in n)  # fmt: skip

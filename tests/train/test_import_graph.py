@@ -168,3 +168,112 @@ def test_the_cycle_finder_sees_direct_indirect_and_type_only_cycles(tmp_path: Pa
     }
     assert graph["demo.b"] == {"demo", "demo.c"}
     assert cycles(graph) == [frozenset({"demo.a", "demo.b", "demo.c"})]
+
+
+# -- The model-family seam --------------------------------------------------------------------
+# A family is its own modules plus its row in nanotron_models/families.py: everything else
+# (the trainer, parallelize, inference, conversion, checkpoints, the memory check, telemetry,
+# the family-agnostic parts of the models package) reaches it through the row and the stage
+# interface (nanotron_models/stage.py), never by naming its functions or classes.
+#
+# The Llama family's own modules (Llama, Nanotron's Qwen2, their Mixtral / Qwen2-MoE forms):
+FAMILY_MODULES = {
+    f"nanotron_models.{m}"
+    for m in (
+        "config", "qwen2", "blocks", "model", "init", "flops", "kv_cache", "nanotron_names",
+        "hf", "hf_qwen2", "hf_qwen2_moe", "hf_mixtral",
+    )
+}  # fmt: skip
+# Modules that may name a family: its row, and the package's facade (re-exports for scripts).
+FAMILY_REACHERS = {"nanotron_models.families", "nanotron_models"}
+# Names in those modules that are no family's: every family builds with them.
+SHARED = {
+    ("nanotron_models.config", "DTYPES"),  # model.dtype's names
+    ("nanotron_models.config", "ModelConfigError"),
+    ("nanotron_models.init", "InitSpec"),  # how a full tensor is made (materialise.py)
+    ("nanotron_models.init", "full_tensor"),
+    ("nanotron_models.blocks", "Loss"),  # the loss block (the trainer sums its z-loss)
+    ("nanotron_models.blocks", "MLP"),  # the `-` layer, a MoE layer's shared expert
+}
+
+
+def facade_sources(path: Path, package: str) -> dict[str, str]:
+    """Name -> the module it comes from, for the names a package's __init__ re-exports."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                out[alias.asname or alias.name] = f"{package}.{node.module}"
+    return out
+
+
+def family_names_used(
+    module: str, path: Path, family_modules: set[str], facade: tuple[str, dict[str, str]], shared
+) -> list[str]:
+    """`module imports <family module>[.<name>]` for each family name or module `module`
+    imports; `facade`: (package, its re-exported names' modules) of `facade_sources`."""
+    is_package = path.name == "__init__.py"
+    facade_package, facade_names = facade
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"{module} imports {a.name}" for a in node.names if a.name in family_modules]
+            continue
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        source = node.module or ""
+        if node.level:
+            base = module.split(".")
+            base = base[: len(base) - node.level + (1 if is_package else 0)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        for alias in node.names:
+            if f"{source}.{alias.name}" in family_modules:  # `from pkg import family_module`
+                found.append(f"{module} imports {source}.{alias.name}")
+                continue
+            origin = facade_names.get(alias.name, source) if source == facade_package else source
+            if origin in family_modules and (origin, alias.name) not in shared:
+                found.append(f"{module} imports {origin}.{alias.name}")
+    return found
+
+
+def test_only_a_family_and_its_row_name_its_functions():
+    """A family whose blocks are not attention must not have to touch the trainer: no module
+    outside the Llama family's own files and families.py imports its functions or classes
+    (llama_init_spec, build_llama_stage, LlamaStage, DecoderLayer, KVCache, LlamaConfig, the
+    Llama FLOPs, ...), directly or through the package's facade."""
+    facade = (
+        "nanotron_models",
+        facade_sources(PACKAGES["nanotron_models"] / "__init__.py", "nanotron_models"),
+    )
+    wrong = sorted(
+        use
+        for module, path in all_modules().items()
+        if module.startswith(("nanotron_parallel", "nanotron_models", "nanotron_train"))
+        and module not in FAMILY_MODULES | FAMILY_REACHERS
+        for use in family_names_used(module, path, FAMILY_MODULES, facade, SHARED)
+    )
+    assert wrong == []
+
+
+def test_the_family_seam_check_sees_direct_facade_and_module_imports(tmp_path: Path):
+    """The checker itself: a name from a family module, the same through the facade, the
+    family module itself, and a shared name (allowed)."""
+    pkg = tmp_path / "demo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .fam import build_fam\n")
+    (pkg / "fam.py").write_text("def build_fam(): ...\nSHARED = 1\n")
+    (pkg / "a.py").write_text("from demo.fam import build_fam, SHARED\n")
+    (pkg / "b.py").write_text("def f():\n    from demo import build_fam\n")
+    (pkg / "c.py").write_text("from . import fam\nimport demo.fam\n")
+    facade = ("demo", facade_sources(pkg / "__init__.py", "demo"))
+    fam, shared = {"demo.fam"}, {("demo.fam", "SHARED")}
+    found = {
+        m: family_names_used(m, p, fam, facade, shared)
+        for m, p in module_files("demo", pkg).items()
+        if m in ("demo.a", "demo.b", "demo.c")
+    }
+    assert found == {
+        "demo.a": ["demo.a imports demo.fam.build_fam"],
+        "demo.b": ["demo.b imports demo.fam.build_fam"],
+        "demo.c": ["demo.c imports demo.fam", "demo.c imports demo.fam"],
+    }
