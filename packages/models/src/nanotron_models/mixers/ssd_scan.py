@@ -183,7 +183,7 @@ def ssd_scan(
     doc = documents(reset_mask, x)
     if doc is not None:  # padded steps join the last document: they must not break it
         doc = torch.cat((doc, doc[:, -1:].expand(b, pad)), dim=1)
-    init = None if initial_state is None else initial_state.to(cdt).view(b, g, h // g, p, n)
+    init = None if initial_state is None else initial_state.to(cdt).reshape(b, g, h // g, p, n)
     y, final = _chunked(xdt, dA, Bc, Cc, doc, init)
     y = y.reshape(b, nc * q, h, p)[:, :length]
     if D is not None:
@@ -279,6 +279,6 @@ def ssd_initial_state_output(
     doc = documents(reset_mask, C)
     if doc is not None:
         decay = decay * (doc == 0)[:, :, None]
-    state = initial_state.to(cdt).view(b, g, h // g, -1, n)
+    state = initial_state.to(cdt).reshape(b, g, h // g, -1, n)
     y = torch.einsum("blgn,bgrpn->blgrp", C.to(cdt), state)
     return y.reshape(b, length, h, -1) * decay[..., None]
