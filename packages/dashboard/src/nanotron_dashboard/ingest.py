@@ -57,6 +57,16 @@ async def _put_waiting(writer: Any, items: list[Any]) -> None:
         await asyncio.sleep(0.01)
 
 
+def _must_close(writer: Any) -> tuple[int, str] | None:
+    """After a frame: a full disk (507) or a database out of reach (503) closes the ingest
+    websocket (1013); the trainer reconnects later and replays from the last stored step."""
+    if writer.disk_full:
+        return 507, "the dashboard's disk is full"
+    if writer.outage.down:
+        return 503, "the dashboard's database is unavailable"
+    return None
+
+
 @router.websocket("/ws/ingest")
 async def ws_ingest(ws: WebSocket) -> None:
     """Each message gets its reply only when it asks (`ack`, run_start) or is refused: an
@@ -105,15 +115,11 @@ async def ws_ingest(ws: WebSocket) -> None:
                     await ws.send_text(json.dumps(refusal(500, f"internal error: {e}")))
             while late:
                 await ws.send_text(json.dumps(late.popleft()))
-            if writer.disk_full:
-                await ws.send_text(json.dumps(refusal(507, "the dashboard's disk is full")))
-                await ws.close(1013, "disk full; reconnect later")
-                return
-            if writer.outage.down:  # the trainer reconnects later and replays what was refused
-                await ws.send_text(
-                    json.dumps(refusal(503, "the dashboard's database is unavailable"))
-                )
-                await ws.close(1013, "database unavailable; reconnect later")
+            closing = _must_close(writer)
+            if closing is not None:
+                status, error = closing
+                await ws.send_text(json.dumps(refusal(status, error)))
+                await ws.close(1013, "the dashboard cannot store now; reconnect later")
                 return
     except (WebSocketDisconnect, RuntimeError):
         return
