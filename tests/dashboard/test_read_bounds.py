@@ -161,16 +161,17 @@ def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
         "/api/runs/moe/moe_load?max_steps=5000",
         "/api/runs/moe/moe_load?max_steps=5000&from_step=2",
     ]
-    answers: list[int] = []
+    answers: list[tuple[str, int]] = []
 
     def read(path: str) -> None:
         for _ in range(3):
             try:
                 with urllib.request.urlopen(d.url + path, timeout=120) as r:
                     r.read()
-                    answers.append(r.status)
-            except urllib.error.HTTPError as e:
-                answers.append(e.code)
+                    answers.append((path, r.status))
+            except urllib.error.HTTPError as e:  # 503: waited 10 s for a slot (a slow machine)
+                assert e.code == 503 or (e.code == 400 and path == paths[0]), (path, e.code)
+                answers.append((path, e.code))
 
     try:
         threads = [threading.Thread(target=read, args=(p,)) for p in paths * 2]
@@ -182,5 +183,5 @@ def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
     finally:
         d.stop()
     print(f"peak RSS with {len(threads)} heatmap reads at once: {peak:.0f} MiB")
-    assert sorted(set(answers)) == [200, 400] and len(answers) == 30
+    assert len(answers) == 30 and {p for p, status in answers if status == 200} == set(paths[1:])
     assert peak <= MEMORY_BUDGET_BYTES >> 20, peak
