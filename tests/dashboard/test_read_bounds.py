@@ -149,7 +149,8 @@ def _peak_mib(pid: int) -> float:
 
 def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
     """Findings 4 and 5 at full size, read at once on a real server: its peak RSS stays in
-    the 384 MiB budget (it was 645 MiB for the fields read, 396 MiB for two moe reads)."""
+    the 384 MiB budget (it was 645 MiB for the fields read, 396 MiB for two moe reads; this
+    test's reads, before the fix: over 1,000 MiB)."""
     bd.add_rank_stats(db_url, "wide", list(range(10, 310, 10)), RANKS)
     bd.add_moe_load(db_url, "moe", [1024] * 3000 + [1])
     d = start_dashboard(db_url)
@@ -164,7 +165,7 @@ def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
     answers: list[tuple[str, int]] = []
 
     def read(path: str) -> None:
-        for _ in range(3):
+        for _ in range(2):
             try:
                 with urllib.request.urlopen(d.url + path, timeout=120) as r:
                     r.read()
@@ -183,5 +184,5 @@ def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
     finally:
         d.stop()
     print(f"peak RSS with {len(threads)} heatmap reads at once: {peak:.0f} MiB")
-    assert len(answers) == 30 and {p for p, status in answers if status == 200} == set(paths[1:])
+    assert len(answers) == 20 and {p for p, status in answers if status == 200} == set(paths[1:])
     assert peak <= MEMORY_BUDGET_BYTES >> 20, peak
