@@ -224,6 +224,7 @@ EventKind = Literal[
     "nonfinite_loss",
     "loss_spike",
     "grad_norm_spike",
+    "spike_rollback",
     "throughput_drop",
     "stall",
     "straggler",

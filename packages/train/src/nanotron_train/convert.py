@@ -247,6 +247,7 @@ def save_imported(
             consumed_samples=consumed_samples,
             consumed_tokens=consumed_tokens,
             data_step_offset=0,
+            spike_rollbacks=[],
         )
         random.seed(cfg.general.seed)
         np.random.seed(cfg.general.seed % 2**32)

@@ -24,6 +24,8 @@ class TrainState:
     consumed_samples: int = 0
     consumed_tokens: int = 0
     data_step_offset: int = 0  # steps whose data a rollback skipped (data step = step + this)
+    # the loss-spike rollbacks of the run so far (fault/spike_recovery.py): count and skips
+    spike_rollbacks: list[dict[str, int]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

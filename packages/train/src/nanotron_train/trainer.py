@@ -268,6 +268,9 @@ class Trainer:
                 if out.action == "rollback":
                     self.fault.rolled_back(self.state.step, self.checkpoints.rollback(), self.pc)
                     continue
+                if self.fault.spike_recovery.due():  # loss_spike_policy: rollback
+                    self._saved(self.fault.spike_recovery.act(self))
+                    continue
                 stop, saved = self._save_if_due()
                 if stop:
                     break
@@ -301,6 +304,7 @@ class Trainer:
         if not (logged or every_step):
             return None
         record = self.step_record(out, timer.seconds_per_step())
+        self.fault.spike_recovery.plan(record, self.state)  # a loss spike: roll back after logging
         if evaluate:
             record.update(self.evaluator.evaluate().metrics())
         if self.logger is not None and logged:  # + events and system/* metrics

@@ -146,6 +146,7 @@ def _load(folder: Path, state, cfg, pc, zero_stage: int) -> dict:
     check_data_state(folder, meta, data)
     state.data.load_state_dict(data["data"])
     state.data_step_offset = int(data.get("data_step_offset", 0))
+    state.spike_rollbacks = data["spike_rollbacks"]  # checked: a list of integer records
     state.step = int(meta["step"])
     state.consumed_samples = int(meta["consumed_samples"])
     state.consumed_tokens = int(meta["consumed_tokens"])

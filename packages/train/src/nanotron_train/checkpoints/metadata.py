@@ -112,6 +112,11 @@ def check_data_state(folder: Path, meta: dict, data: dict) -> None:
         )
     data.setdefault("data_step_offset", 0)
     _int(path, data, "data_step_offset")
+    rollbacks = data.setdefault("spike_rollbacks", [])
+    if not isinstance(rollbacks, list) or not all(
+        isinstance(r, dict) and all(type(v) is int for v in r.values()) for r in rollbacks
+    ):
+        raise CheckpointError(f"{path}: spike_rollbacks: expected a list of objects of integers")
 
 
 def check_no_newer(root: Path, folder: Path, step: int) -> str | None:

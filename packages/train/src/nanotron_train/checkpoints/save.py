@@ -252,6 +252,7 @@ def snapshot(state, cfg, pc, zero_stage: int, copy: bool) -> Snapshot:
             "data": state.data.state_dict(),
             "consumed_samples": state.consumed_samples,
             "data_step_offset": state.data_step_offset,  # steps whose data a rollback skipped
+            "spike_rollbacks": state.spike_rollbacks,  # each: steps and data batches skipped
         }
         files.append(("data_state.json", None, json.dumps(data, indent=1).encode()))
         raw = cfg.to_dict()  # Nanotron records the position in the saved config too

@@ -4,7 +4,7 @@ that sit where a user looks for them, `parallelism.collective_timeout_s`,
 
 from __future__ import annotations
 
-from nanotron_train.config.rules import Check, positive, value
+from nanotron_train.config.rules import Check, at_least, positive, value
 
 
 def _spike_window(key: str) -> Check:
@@ -33,6 +33,17 @@ FAULT_CHECKS: tuple[Check, ...] = (
             c.fault_tolerance.nonfinite_policy != "rollback" or bool(c.checkpoints.checkpoints_path)
         ),
         "rollback needs checkpoints.checkpoints_path (it reloads the last checkpoint)",
+    ),
+    positive("fault_tolerance.spike_rollback_min_steps"),
+    at_least("fault_tolerance.spike_skip_batches", 0),
+    positive("fault_tolerance.max_spike_rollbacks"),
+    Check(
+        "fault_tolerance.loss_spike_policy",
+        lambda c: (
+            c.fault_tolerance.loss_spike_policy != "rollback"
+            or (bool(c.checkpoints.checkpoints_path) and c.fault_tolerance.loss_spike_window > 0)
+        ),
+        "rollback needs checkpoints.checkpoints_path and fault_tolerance.loss_spike_window > 0",
     ),
     Check(
         "checkpoints.async_save",

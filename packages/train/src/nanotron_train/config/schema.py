@@ -224,7 +224,10 @@ class FaultToleranceArgs:
     checkpoint and skip the data of the steps since). loss_spike_window: past losses the robust
     z-score uses (0 = off); loss_spike_zscore: the threshold; grad_norm_spike_window and
     grad_norm_spike_zscore: the same for the gradient norm. stack_dump_dir: where a hung
-    rank writes all its threads' stacks (one file per rank).
+    rank writes all its threads' stacks (one file per rank). loss_spike_policy: `warn`, or
+    `rollback` (fault/spike_recovery.py): back to the newest checkpoint at least
+    spike_rollback_min_steps steps before the spike, the data up to the spike not replayed and
+    the next spike_skip_batches batches skipped, at most max_spike_rollbacks times per run.
     """
 
     nonfinite_policy: Literal["stop", "skip", "rollback"] = "stop"
@@ -233,6 +236,10 @@ class FaultToleranceArgs:
     grad_norm_spike_window: int = 100
     grad_norm_spike_zscore: float = 6.0
     stack_dump_dir: str = "stack_dumps"
+    loss_spike_policy: Literal["warn", "rollback"] = "warn"
+    spike_rollback_min_steps: int = 1  # N: the checkpoint is at least this many steps back
+    spike_skip_batches: int = 0  # M: batches after the spike's own that are skipped
+    max_spike_rollbacks: int = 3  # K: a spike after K rollbacks stops the run
 
 
 @dataclass

@@ -6,4 +6,5 @@ launcher.py      the launcher (torchrun) died: exit instead of living on as an o
 preemption.py    SIGTERM/SIGUSR1: every rank agrees on the last step, saves, exits 0
 nonfinite.py     a non-finite loss or gradient norm: skip, stop or roll back
 spikes.py        loss spikes by a robust z-score over a window
+spike_recovery.py  on a loss spike: back to an older checkpoint, skip data (at most K times)
 """

@@ -8,6 +8,7 @@ from typing import Any
 from nanotron_train.fault.coordination import next_trainer_id, shared_store
 from nanotron_train.fault.nonfinite import NonFiniteGuard
 from nanotron_train.fault.preemption import Preemption
+from nanotron_train.fault.spike_recovery import SpikeRecovery
 from nanotron_train.fault.spikes import GRAD_NORM_MIN_RATIO, LossSpikeDetector
 from nanotron_train.fault.watchdog import HangWatchdog
 
@@ -24,6 +25,7 @@ class FaultTolerance:
         )
         self.nonfinite = NonFiniteGuard(ft.nonfinite_policy)
         self.spikes = LossSpikeDetector(ft.loss_spike_window, ft.loss_spike_zscore)
+        self.spike_recovery = SpikeRecovery(ft, cfg.checkpoints.checkpoints_path, pc)
         self.grad_spikes = LossSpikeDetector(
             ft.grad_norm_spike_window, ft.grad_norm_spike_zscore, GRAD_NORM_MIN_RATIO
         )

@@ -99,6 +99,18 @@ def record_events(record: dict, reporter: EventReporter, throughput: ThroughputW
                 {value: record[value], "z": z},
                 say=False,
             )
+    rollback = record.get("spike_rollback")
+    if rollback:  # fault/spike_recovery.py prints its own line when it rolls back
+        reporter.emit(
+            "spike_rollback",
+            "critical",
+            f"rolling back to the checkpoint of step {rollback['to_step']} (spike rollback "
+            f"{rollback['number']}); data batches {rollback['first_skipped']}.."
+            f"{rollback['last_skipped']} skipped",
+            step,
+            dict(rollback),
+            say=False,
+        )
     drop = throughput.observe(record.get("tokens_per_sec") or 0.0)
     if drop is not None:
         now, median = drop
