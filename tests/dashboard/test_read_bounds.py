@@ -152,7 +152,10 @@ def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
     the 384 MiB budget (it was 645 MiB for the fields read, 396 MiB for two moe reads; this
     test's reads, before the fix: over 1,000 MiB)."""
     bd.add_rank_stats(db_url, "wide", list(range(10, 310, 10)), RANKS)
-    bd.add_moe_load(db_url, "moe", [1024] * 3000 + [1])
+    # PostgreSQL stores 8 KB blobs ~10x slower than SQLite: a third of the steps there, still
+    # twice the bound (before: a million counts a read)
+    moe_steps = 3000 if "://" not in db_url else 1000
+    bd.add_moe_load(db_url, "moe", [1024] * moe_steps + [1])
     d = start_dashboard(db_url)
     many = ",".join(f"f{i}_ms" for i in range(1900))
     paths = [
@@ -165,7 +168,7 @@ def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
     answers: list[tuple[str, int]] = []
 
     def read(path: str) -> None:
-        for _ in range(2):
+        for _ in range(1):  # the peak comes from the ten at once, not from repeating them
             try:
                 with urllib.request.urlopen(d.url + path, timeout=120) as r:
                     r.read()
@@ -184,5 +187,5 @@ def test_the_reads_at_once_stay_within_the_memory_budget(db_url):
     finally:
         d.stop()
     print(f"peak RSS with {len(threads)} heatmap reads at once: {peak:.0f} MiB")
-    assert len(answers) == 20 and {p for p, status in answers if status == 200} == set(paths[1:])
+    assert len(answers) == 10 and {p for p, status in answers if status == 200} == set(paths[1:])
     assert peak <= MEMORY_BUDGET_BYTES >> 20, peak
