@@ -81,6 +81,7 @@ def spike_jobs(jobs: list[dict]) -> list[dict]:
             raw = _config(lay, job["ckpt"], job.get("resume"))
             raw["fault_tolerance"].update(job.get("fault", {}))
             raw["logging"]["metrics_file"] = job.get("metrics")
+            raw["checkpoints"]["async_save"] = job.get("async_save", False)
             cfg = config_from_dict(raw, "test", world_size=None)
             pc = ParallelContext(dp=lay["dp"], tp=lay["tp"], pp=lay["pp"])
             records: list[dict] = []
@@ -120,14 +121,15 @@ def _jobs(layout: dict, root: Path, tag: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("spike")
-    single = spike_jobs(_jobs(ONE, root, "one"))
+    async_save = {"layout": ONE, "ckpt": str(root / "async"), "poison": POISON, "async_save": True}
+    single = spike_jobs([*_jobs(ONE, root, "one"), async_save])
     world2 = run_distributed(spike_jobs, 2, _jobs(DP2, root, "dp2"), timeout=300)[0]
     return {"root": root, "one": single, "dp2": world2}
 
 
 @pytest.mark.parametrize("tag", ["one", "dp2"])
 def test_spike_rolls_back_skips_the_batches_and_matches_a_clean_stream(runs, tag):
-    spike, clean, again = runs[tag]
+    spike, clean, again = runs[tag][:3]
     records = spike["records"]
     assert [r["step"] for r in records] == [*range(1, 13), *range(9, STEPS + 1)]
     assert records[11]["loss_spike_z"] > 6.0
@@ -155,6 +157,28 @@ def test_spike_rolls_back_skips_the_batches_and_matches_a_clean_stream(runs, tag
         in (again["stopped"])
     )
     assert again["records"][-1]["step"] == 14 and "spike_rollback" not in again["records"][-1]
+    if tag == "one":  # checkpoints written in the background: the same run
+        assert _losses(runs[tag][3]["records"]) == _losses(records)
+
+
+def test_spike_rollback_keys_are_checked():
+    from nanotron_train.config import ConfigError, config_from_dict
+
+    cases = {
+        ("checkpoints", "checkpoints_path", None): "fault_tolerance.loss_spike_policy",
+        ("fault_tolerance", "loss_spike_window", 0): "fault_tolerance.loss_spike_policy",
+        ("fault_tolerance", "spike_skip_batches", -1): "fault_tolerance.spike_skip_batches",
+        ("fault_tolerance", "max_spike_rollbacks", 0): "fault_tolerance.max_spike_rollbacks",
+        ("fault_tolerance", "spike_rollback_min_steps", 0): (
+            "fault_tolerance.spike_rollback_min_steps"
+        ),
+    }
+    for (section, key, value), named in cases.items():
+        raw = _config(ONE, "ck")
+        raw[section][key] = value
+        with pytest.raises(ConfigError) as err:
+            config_from_dict(raw, "run.yaml")
+        assert err.value.key == named, (key, str(err.value))
 
 
 def test_rollback_is_in_the_metrics_file_and_a_dashboard_event(runs):
