@@ -24,6 +24,7 @@ from .model import (
     load_full_state_dict,
 )
 from .qwen2 import Qwen2Config
+from .stage import ModelStage
 
 __all__ = [
     "FAMILIES",
@@ -33,6 +34,7 @@ __all__ = [
     "LlamaStage",
     "ModelConfigError",
     "ModelFamily",
+    "ModelStage",
     "Qwen2Config",
     "build_llama",
     "build_llama_stage",
