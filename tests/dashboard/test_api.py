@@ -315,3 +315,20 @@ def test_restarted_launches_are_attempts_of_one_run_and_preempted_is_a_status(cl
     assert len(client.get("/api/runs").json()) == 1
     bad = client.post("/api/ingest", json={**end, "status": "paused"})
     assert bad.json()["accepted"] == 0 and "'preempted'" in bad.json()["errors"][0]["error"]
+
+
+def test_metrics_response_is_bounded_across_names(client, monkeypatch):
+    """max_points is per series: many names share one bound on the points returned (here
+    shrunk to 1,000 so a small run shows it; the server's is api.METRIC_POINTS)."""
+    from nanotron_dashboard import api
+
+    monkeypatch.setattr(api, "METRIC_POINTS", 1000)
+    start(client)
+    names = [f"m{i}" for i in range(10)]
+    points(client, "r1", range(500), lambda s: {n: float(s) for n in names})
+    every = client.get("/api/runs/r1/metrics?max_points=50000").json()["series"]
+    assert sorted(every) == sorted(names)
+    assert all(s["count"] == 500 and 8 <= len(s["x"]) <= 100 for s in every.values())
+    assert sum(len(s["x"]) for s in every.values()) <= 1000
+    one = client.get("/api/runs/r1/metrics?names=m3&max_points=50000").json()["series"]["m3"]
+    assert len(one["x"]) == 500 and one["y"] == [float(s) for s in range(500)]

@@ -133,6 +133,9 @@ def remove_run(request: Request, run_id: str) -> dict[str, Any]:
     return {"deleted": run_id}
 
 
+METRIC_POINTS = 250_000  # points in one metrics response, all series together (x4 numbers)
+
+
 @router.get("/api/runs/{run_id}/metrics", tags=["metrics"])
 def metrics(
     request: Request,
@@ -154,8 +157,11 @@ def metrics(
         unknown = [n for n in asked if n not in have][:100]
     else:
         wanted, unknown = known, []
+    # The response is bounded whatever is stored: max_points is per series, so many names
+    # share METRIC_POINTS between them (1,000 names x 50,000 points would be 200M numbers).
+    per_series = min(max_points, max(8, METRIC_POINTS // max(1, len(wanted))))
     series = queries.metric_series(
-        request.app.state.cache, row.pk, wanted, x, max_points, smoothing, row.started
+        request.app.state.cache, row.pk, wanted, x, per_series, smoothing, row.started
     )
     # json.dumps directly: FastAPI's generic encoder walks every float (slow at 4 x 2000 points)
     body = {"run_id": run_id, "x": x, "smoothing": smoothing, "series": series, "unknown": unknown}
