@@ -77,7 +77,6 @@ REFUSALS = {
     "metrics_logging": {"log_level": 1, "log_detail_interval": 10},
     "lighteval": {"eval_interval": 10},
     "s3_upload": {"upload_s3_path": "s3://bucket/run", "remove_after_upload": True},
-    "model.init_method.use_mup": True,
     "tokenizer.tokenizer_max_length": 2048,
     "data_stages.data.dataset.hf_dataset_config_name": "en",
     "data_stages.data.dataset.use_old_brrr_dataloader": True,

@@ -49,6 +49,10 @@ class InitSpec:
     sections: tuple[int, ...] | None = None
     pad_rows_to: int | None = None  # vocab padding: zero rows appended up to this size
     experts: bool = False  # dim 0 indexes the global experts: a rank keeps its local ones
+    # For µP (parametrization.py): (fan_in, fan_out) of a full linear weight, and whether the
+    # parameter is an embedding (the vocabulary's rows, tied lm_head included).
+    fan: tuple[int, int] | None = None
+    embedding: bool = False
 
 
 def full_tensor(spec: InitSpec, seed: int) -> torch.Tensor:
@@ -89,25 +93,26 @@ def llama_init_spec(
     )
     vpad = c.padded_vocab_size(tp)
     split = LLAMA_TP_PLAN.shard_dim(name)
-    if name == "embedding.weight":
-        return InitSpec(name, (c.vocab_size, h), init_std, split, pad_rows_to=vpad)
+    if name == "embedding.weight" or (name == "lm_head.weight" and c.tie_word_embeddings):
+        key = "embedding.weight"
+        return InitSpec(key, (c.vocab_size, h), init_std, split, pad_rows_to=vpad, embedding=True)
     if name == "lm_head.weight":
-        key = "embedding.weight" if c.tie_word_embeddings else name
-        return InitSpec(key, (c.vocab_size, h), init_std, split, pad_rows_to=vpad)
+        fan = (h, c.vocab_size)
+        return InitSpec(name, (c.vocab_size, h), init_std, split, pad_rows_to=vpad, fan=fan)
     if name == "final_norm.weight" or name.endswith("_norm.weight"):
         return InitSpec(name, (h,), None, split)
     if name.endswith("attn.qkv.weight"):
-        return InitSpec(name, (q + 2 * kv, h), init_std, split, (q, kv, kv))
+        return InitSpec(name, (q + 2 * kv, h), init_std, split, (q, kv, kv), fan=(h, q + 2 * kv))
     if name.endswith("attn.qkv.bias"):
         return InitSpec(name, (q + 2 * kv,), 0.0, split, (q, kv, kv))
     if name.endswith("attn.o_proj.bias"):
         return InitSpec(name, (h,), 0.0, split)
     if name.endswith("attn.o_proj.weight"):
-        return InitSpec(name, (h, q), scaled, split)
+        return InitSpec(name, (h, q), scaled, split, fan=(q, h))
     if name.endswith("mlp.gate_up.weight"):
-        return InitSpec(name, (2 * inter, h), init_std, split, (inter, inter))
+        return InitSpec(name, (2 * inter, h), init_std, split, (inter, inter), fan=(h, 2 * inter))
     if name.endswith("mlp.down.weight"):
-        return InitSpec(name, (h, inter), scaled, split)
+        return InitSpec(name, (h, inter), scaled, split, fan=(inter, h))
     if ".mlp." in name and getattr(c, "moe_config", None) is not None:
         return moe_init_spec(c, name, init_std, scaled)
     raise KeyError(f"no initialisation rule for parameter {name!r}")

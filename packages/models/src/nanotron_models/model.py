@@ -333,13 +333,15 @@ def build_llama_stage(
     attn_backend: str | None = None,
     scaling_method: str = "NUM_LAYERS",
     dispatcher=None,
+    parametrization: str = "sp",
 ) -> LlamaStage:
     """Build the named contiguous blocks with this rank's tp shards, initialised from `seed`.
 
     init_std defaults to config.initializer_range; attn_backend to config.attention_backend
     (attn_backend, else Nanotron's _attn_implementation); scaling_method: see init.py;
     dispatcher: how MoE layers reach their experts (nanotron_parallel.expert_parallel; None:
-    every expert on this rank), which also says which experts this rank holds.
+    every expert on this rank), which also says which experts this rank holds;
+    parametrization: `sp` or `spectral_mup` (parametrization.py).
     """
     config.validate(pc.tp_size)
     names = llama_block_names(config)
@@ -360,7 +362,7 @@ def build_llama_stage(
     )
     materialise(
         stage, config, llama_init_spec, pc.tp_rank, pc.tp_size, seed, std, device, dtype,
-        scaling_method,
+        scaling_method, parametrization,
     )  # fmt: skip
     return stage
 

@@ -75,6 +75,8 @@ def build_model(
         scaling_method=model.init_method.scaling_method,
         dtype=DTYPES[model.dtype],
         device=pc.device,
+        # Nanotron's spectral µP; only then passed, so a family without it needs no such option
+        **({"parametrization": "spectral_mup"} if model.init_method.use_mup else {}),
     )
 
 

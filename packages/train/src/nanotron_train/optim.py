@@ -39,6 +39,7 @@ class Piece:
     decay: bool
     value: torch.Tensor  # where the parameter's elements live (ZeRO-3: this rank's shard)
     grad: torch.Tensor  # their reduced gradient (ZeRO-2/3: in this rank's gradient shard)
+    lr_scale: float = 1.0  # its learning rate is the schedule's times this (µP: per layer)
 
 
 def build_pieces(
@@ -56,7 +57,11 @@ def build_pieces(
             master, is_copy = o.value.to(master_dtype).clone(), True
         name = names.get(id(o.param), "")
         decay = not excluded_from_weight_decay(name, exclude_from_decay)
-        pieces.append(Piece(name, o.param, o.start, o.end, master, is_copy, decay, o.value, o.grad))
+        # set on the parameter when it was built, by its parametrization (nanotron_models)
+        scale = float(getattr(o.param, "lr_scale", 1.0))
+        pieces.append(
+            Piece(name, o.param, o.start, o.end, master, is_copy, decay, o.value, o.grad, scale)
+        )
     return pieces
 
 
@@ -73,6 +78,21 @@ def optimizer_kwargs(factory) -> dict:
         "eps": 1e-8 if factory.adam_eps is None else factory.adam_eps,
         "fused": bool(factory.torch_adam_is_fused),
     }
+
+
+def _param_groups(pieces: list[Piece], weight_decay: float) -> list[dict]:
+    """One group per (weight decay, learning-rate multiplier), in first-seen order: the sp
+    groups (decayed, then not) are those of before µP, so the optimizer steps the same."""
+    groups: dict[tuple[bool, float], dict] = {}
+    for decay in (True, False):
+        for pc in pieces:
+            if pc.decay == decay:
+                key = (decay, pc.lr_scale)
+                wd = weight_decay if decay else 0.0
+                group = groups.setdefault(key, {"params": [], "weight_decay": wd,
+                                                "lr_scale": pc.lr_scale})  # fmt: skip
+                group["params"].append(pc.master)
+    return list(groups.values()) or [{"params": [], "weight_decay": 0.0, "lr_scale": 1.0}]
 
 
 class AdamWOnPieces:
@@ -93,13 +113,10 @@ class AdamWOnPieces:
         self._settings = {"name": name, "lr": lr, "weight_decay": weight_decay}
         if name != "sgd":
             self._settings.update(betas=list(betas), eps=eps, fused=fused)
-        decay = [pc.master for pc in pieces if pc.decay]
-        no_decay = [pc.master for pc in pieces if not pc.decay]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]
+        groups = _param_groups(pieces, weight_decay)
+        scales = {pc.name: pc.lr_scale for pc in pieces if pc.lr_scale != 1.0}
+        if scales:  # recorded in checkpoints (µP's per-parameter learning rates)
+            self._settings["lr_scales"] = scales
         # fused (torch_adam_is_fused) rounds differently (~1e-7). Otherwise: on GPUs foreach
         # (a few kernels over all tensors, bitwise the per-tensor loop's result); on the CPU
         # the loop's arithmetic run block by block in cache (blocked_adamw.py).
@@ -122,7 +139,7 @@ class AdamWOnPieces:
             pc.master.grad = grad if grad.dtype == pc.master.dtype else grad.to(pc.master.dtype)
         if self.inner is not None:
             for group in self.inner.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             if self.blocked:  # named as torch names its step, for profiles
                 with record_function("Optimizer.step#AdamW.step"):
                     blocked_adamw_step(self.inner)

@@ -107,7 +107,18 @@ CHECKS: tuple[Check, ...] = (
         ),
     ),
     at_least("model.make_vocab_size_divisible_by", 1),
-    refused("model.init_method.use_mup", lambda v: not v, "spectral muP initialisation"),
+    Check(  # nanotron_models/parametrization.py: rules for Llama/Qwen2's dense layers only
+        "model.init_method.use_mup",
+        lambda c: (
+            not c.model.init_method.use_mup
+            or (
+                getattr(c.model.model_config, "moe_config", None) is None
+                and c.optimizer.optimizer_factory.name != "muon"
+            )
+        ),
+        "spectral µP has per-layer rules for dense layers under Adam or SGD (as Nanotron's); "
+        "not with model_config.moe_config or optimizer_factory.name: muon",
+    ),
     Check(
         "model.init_method.std",
         lambda c: (
