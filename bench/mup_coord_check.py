@@ -1,0 +1,94 @@
+"""Coordinate check of a parametrization: the RMS of each decoder layer's output on a fixed
+batch after a few Adam steps, at widths 64..512 (heads of 16 dims, MLP 2x, 2 layers, the
+synthetic data, a constant learning rate, no clipping or decay), as a ratio to width 64. A
+parametrization that transfers across width keeps the ratios near 1; the standard one grows.
+
+    python bench/mup_coord_check.py [--steps 6] [--lr 1e-2]
+
+Compares `model.init_method.std: 0.02` (sp) with `use_mup: true` (Nanotron's spectral µP).
+One process on the CPU; a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import torch
+
+from nanotron_parallel.context import ParallelContext
+from nanotron_parallel.testing import shared_default_group
+from nanotron_train.config import config_from_dict
+from nanotron_train.trainer import Trainer
+
+WIDTHS = (64, 128, 256, 512)
+VOCAB, SEQ = 127, 16
+
+
+def config(width: int, init: dict, steps: int, lr: float) -> dict:
+    return {
+        "general": {"project": "bench", "run": "coord", "seed": 5},
+        "model": {
+            "model_config": {
+                "hidden_size": width, "intermediate_size": 2 * width,
+                "num_hidden_layers": 2, "num_attention_heads": width // 16,
+                "num_key_value_heads": width // 16, "vocab_size": VOCAB,
+                "max_position_embeddings": SEQ, "tie_word_embeddings": False,
+            },
+            "init_method": init,
+            "dtype": "float32",
+        },
+        "tokens": {"sequence_length": SEQ, "micro_batch_size": 2,
+                   "batch_accumulation_per_replica": 2, "train_steps": steps},
+        "optimizer": {
+            "weight_decay": 0.0, "clip_grad": None,
+            "learning_rate_scheduler": {"learning_rate": lr, "lr_warmup_steps": 1,
+                                        "lr_decay_style": "linear", "min_decay_lr": lr},
+        },
+        "logging": {"iteration_step_info_interval": steps},
+    }  # fmt: skip
+
+
+def layer_rms(width: int, init: dict, steps: int, lr: float) -> list[float]:
+    """Each decoder layer's output RMS on a fixed batch after `steps` steps."""
+    pc = ParallelContext(1, 1, 1)
+    try:
+        trainer = Trainer(config_from_dict(config(width, init, steps, lr), "bench"), pc,
+                          stream=io.StringIO())  # fmt: skip
+        trainer.train()
+        model, rms = trainer.state.model, {}
+        for name in model.block_names:
+            if name.startswith("decoder."):
+                model.block(name).register_forward_hook(
+                    lambda m, a, out, name=name: rms.__setitem__(
+                        name, float(out.detach().pow(2).mean().sqrt())
+                    )
+                )
+        ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids[:, :-1], "label_ids": ids[:, 1:],
+                 "label_mask": torch.ones(2, SEQ, dtype=torch.bool)}  # fmt: skip
+        with torch.no_grad():
+            model(None, batch)
+        return [rms[k] for k in sorted(rms)]
+    finally:
+        pc.destroy()
+
+
+def main() -> None:
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("--steps", type=int, default=6)
+    args.add_argument("--lr", type=float, default=1e-2)
+    a = args.parse_args()
+    torch.set_num_threads(1)
+    print(f"layer output RMS after {a.steps} Adam steps at lr {a.lr}, / width {WIDTHS[0]}'s")
+    print("parametrization  layer  " + "  ".join(f"w={w:<4}" for w in WIDTHS))
+    with shared_default_group():
+        for label, init in (("sp", {"std": 0.02}), ("use_mup", {"use_mup": True})):
+            table = [layer_rms(w, init, a.steps, a.lr) for w in WIDTHS]
+            for layer in range(len(table[0])):
+                ratios = [row[layer] / table[0][layer] for row in table]
+                print(f"{label:<16} {layer:<6} " + "  ".join(f"{r:6.2f}" for r in ratios))
+
+
+if __name__ == "__main__":
+    main()
