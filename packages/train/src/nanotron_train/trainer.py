@@ -304,7 +304,7 @@ class Trainer:
         if not (logged or every_step):
             return None
         record = self.step_record(out, timer.seconds_per_step())
-        self.fault.spike_recovery.plan(record, self.state)  # a loss spike: roll back after logging
+        self.fault.spike_recovery.plan(record, self)  # a loss spike: roll back after logging
         if evaluate:
             record.update(self.evaluator.evaluate().metrics())
         if self.logger is not None and logged:  # + events and system/* metrics

@@ -64,14 +64,15 @@ class SpikeRecovery:
         self.enabled = ft.loss_spike_policy == "rollback"
         self.pending: SpikeRollback | None = None
         self._stop: str | None = None
+        self._saved: list[Path] = []  # background saves completed while planning
 
-    def plan(self, record: dict[str, Any], state) -> None:
+    def plan(self, record: dict[str, Any], trainer) -> None:
         """On every rank, for a record that fault/session.py flagged with `loss_spike_z`: decide
         the rollback (`act` makes it, after the record is logged) and add it to the record
         (`spike_rollback`); or, past K rollbacks, the stop. Collective on a spike."""
         if not self.enabled or "loss_spike_z" not in record:
             return
-        step, ft = record["step"], self.ft
+        step, ft, state = record["step"], self.ft, trainer.state
         done = len(state.spike_rollbacks)
         if done >= ft.max_spike_rollbacks:
             self._stop = (
@@ -80,11 +81,17 @@ class SpikeRecovery:
                 f"(fault_tolerance.max_spike_rollbacks={ft.max_spike_rollbacks}): stopping"
             )
             return
-        found = self._agreed_checkpoint(step - ft.spike_rollback_min_steps)
+        at_most = step - ft.spike_rollback_min_steps
+        # a background save still being written may be the one: wait for it (collective, as
+        # every rank holds the same pending step), so the choice is not the disk's speed
+        writer = trainer.checkpoints.writer
+        if writer is not None and writer.pending is not None and writer.pending <= at_most:
+            self._saved = trainer.checkpoints.wait()
+        found = self._agreed_checkpoint(at_most)
         if found is None:
             self._say(
                 f"warning: loss spike at step {step}: no checkpoint at or before step "
-                f"{step - ft.spike_rollback_min_steps} in {self.root} to roll back to "
+                f"{at_most} in {self.root} to roll back to "
                 f"(fault_tolerance.spike_rollback_min_steps={ft.spike_rollback_min_steps}); "
                 "training goes on"
             )
@@ -106,7 +113,7 @@ class SpikeRecovery:
         rb, self.pending = self.pending, None
         assert rb is not None, "act() without a planned rollback"
         t, s = trainer, trainer.state
-        saved = t.checkpoints.wait()  # a background save may be the one to load
+        saved, self._saved = [*self._saved, *t.checkpoints.wait()], []
         history = [*s.spike_rollbacks, rb.to_dict()]
         position = s.data.state_dict()  # after the spike's batch
         with t.grads.full_parameters():  # ZeRO-3: the loaded values go to the shards
