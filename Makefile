@@ -12,7 +12,7 @@ $(STAMP): constraints.txt pyproject.toml packages/*/pyproject.toml VERSION
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	$(PY) -m pip install -q -c constraints.txt \
-		-e packages/parallel -e "packages/models[hf]" -e "packages/train[hf,tensorboard,wandb]" -e "packages/dashboard[postgresql]" \
+		-e packages/parallel -e "packages/models[hf]" -e "packages/train[hf,tensorboard,wandb,eval]" -e "packages/dashboard[postgresql]" \
 		--group dev
 	touch $(STAMP)
 

@@ -246,16 +246,22 @@ def cli_on_rank(args: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_evaluate_cli_tp2_matches_training(runs):
+def cli_tp2_then_pp2(args: list[str]) -> list[tuple[int, str]]:
+    """One rank of the evaluate command at tp=2, then at pp=2 (--pp 2)."""
+    return [cli_on_rank(args), cli_on_rank([*args, "--pp", "2"])]
+
+
+def test_evaluate_cli_tp2_and_pp2_match_training(runs):
     from nanotron_parallel.testing import run_distributed
 
     args = ["--ckpt-path", str(runs["root"] / "ck"), "--dataset-folder", runs["folder"],
             "--split", "0.1", "--json"]  # fmt: skip
-    (code0, out0), (code1, out1) = run_distributed(cli_on_rank, 2, args, timeout=180)
-    assert (code0, code1, out1) == (0, 0, "")  # rank 0 alone prints
-    report = json.loads(out0)
-    assert report["tp"] == 2 and report["step"] == 6
-    assert report["val_loss"] == pytest.approx(runs["full"][-1]["val_loss"], rel=1e-5, abs=0)
+    rank0, rank1 = run_distributed(cli_tp2_then_pp2, 2, args, timeout=180)
+    for (code0, out0), (code1, out1), layout in zip(rank0, rank1, [(2, 1), (1, 2)]):
+        assert (code0, code1, out1) == (0, 0, "")  # rank 0 alone prints
+        report = json.loads(out0)
+        assert (report["tp"], report["pp"]) == layout and report["step"] == 6
+        assert report["val_loss"] == pytest.approx(runs["full"][-1]["val_loss"], rel=1e-5, abs=0)
 
 
 def test_evaluate_cli_refuses_another_tokenizer(runs, tmp_path, capsys):

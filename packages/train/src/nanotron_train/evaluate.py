@@ -8,8 +8,14 @@ one batch = the run's global batch), so `--limit-batches B` measures what
 `--split F` evaluates the documents a run with `validation.split: F` held out of DIR;
 `--eod-mask-loss` masks the labels after document ends, as a run with `eod_mask_loss: true`.
 `python -m nanotron_train.evaluate ...` runs one process; `--json` prints one JSON object.
+
+`--tasks a,b [--include-path DIR]` runs lm-evaluation-harness tasks on the checkpoint
+(eval/harness.py, the model adapter eval/harness_lm.py; needs the `eval` extra): the harness's
+own tasks or task YAMLs over local data files, at tp x pp = the processes (`--pp`, default 1),
+nothing downloaded. With both `--dataset-folder` and `--tasks`, both are measured.
 A user error (a folder tokenized with another tokenizer than the checkpoint's, ids beyond its
-vocabulary, a bad checkpoint) prints one line from rank 0 and exits with status 2.
+vocabulary, a bad checkpoint, an unknown task) prints one line from rank 0 and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -29,9 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--ckpt-path", required=True, help="a checkpoint step folder or checkpoints root"
     )
-    p.add_argument(
-        "--dataset-folder", required=True, action="append", help="a Nanoset folder (repeatable)"
-    )
+    p.add_argument("--dataset-folder", action="append", help="a Nanoset folder (repeatable)")
     p.add_argument(
         "--limit-batches", type=int, default=0, help="validation batches to evaluate (0 = all)"
     )
@@ -43,7 +47,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--tokenizer", help=TOKENIZER_HELP)
+    add_task_args(p)
     return p.parse_args(argv)
+
+
+def add_task_args(p: argparse.ArgumentParser) -> None:
+    """The lm-evaluation-harness options (named as the harness's own command names them)."""
+    h = p.add_argument_group("lm-evaluation-harness tasks")
+    h.add_argument("--tasks", help="comma-separated harness task or group names")
+    h.add_argument(
+        "--include-path", action="append", default=[], help="a folder of task YAMLs (repeatable)"
+    )
+    h.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
+    h.add_argument("--limit", type=float, help="examples per task (< 1: a fraction of them)")
+    h.add_argument("--batch-size", type=int, default=16, help="requests per forward")
+    h.add_argument("--bootstrap-iters", type=int, default=100000, help="for metric stderrs")
+    h.add_argument("--pp", type=int, default=1, help="pipeline stages (the processes are pp x tp)")
+    h.add_argument("--output-path", help="write the harness's whole result JSON to this file")
+    h.add_argument(
+        "--log-samples", action="store_true", help="keep each example's requests and answers"
+    )
+
+
+def task_run(args: argparse.Namespace):
+    from nanotron_train.eval.harness import TaskRun
+
+    names = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if args.tasks is not None and not names:
+        raise ValueError("--tasks: no task name given")
+    return TaskRun(
+        names,
+        list(args.include_path),
+        args.num_fewshot,
+        args.limit,
+        args.batch_size,
+        args.bootstrap_iters,
+        args.log_samples,
+    )
 
 
 def expected_tokenizer(ckpt) -> tuple[str, str] | None:
@@ -78,14 +118,58 @@ def expected_tokenizer(ckpt) -> tuple[str, str] | None:
 
 
 def run(args: argparse.Namespace, pc) -> dict:
-    """Evaluate on every rank of `pc` (tp ranks only); returns the report (same on all ranks)."""
-    from nanotron_train.data import DataError, Nanoset
-    from nanotron_train.data.split import split_by_documents
-    from nanotron_train.data.validation import ValidationData
-    from nanotron_train.eval.evaluation import Evaluator
+    """Evaluate on every rank of `pc`; returns the report (the same on every rank)."""
     from nanotron_train.inference.model_io import load_model, open_checkpoint
 
     ckpt = open_checkpoint(args.ckpt_path, args.tokenizer)
+    tasks = task_run(args)
+    loss = loss_data(args, ckpt) if args.dataset_folder else None
+    model = load_model(ckpt, pc)
+    report: dict = {"checkpoint": str(ckpt.folder), "step": ckpt.step, "tp": pc.tp_size}
+    report["pp"] = pc.pp_size
+    if loss is not None:
+        report.update(measure_loss(model, pc, loss, args.dataset_folder))
+    if tasks.tasks:
+        report.update(run_tasks(ckpt, model, tasks, args.output_path))
+    return report
+
+
+def run_tasks(ckpt, model, run, output_path: str | None) -> dict:
+    """The harness's scores per task (and its whole result JSON at `output_path`)."""
+    from nanotron_train.eval.harness import build_lm, evaluate_tasks, scores, write_results
+    from nanotron_train.inference.model_io import load_tokenizer_of
+
+    lm = build_lm(ckpt, model, load_tokenizer_of(ckpt), run.batch_size)
+    results = evaluate_tasks(lm, run)
+    if results is None:  # not the reporting process
+        return {}
+    if output_path and model.pc.rank == 0:
+        pc = model.pc
+        where = {"checkpoint": str(ckpt.folder), "step": ckpt.step, "tp": pc.tp_size}
+        write_results({**results, "nanotron": {**where, "pp": pc.pp_size}}, output_path)
+    return {"tasks": scores(results), "n_samples": results.get("n-samples", {})}
+
+
+def measure_loss(model, pc, data, folders: list[str]) -> dict:
+    from nanotron_train.eval.evaluation import Evaluator
+
+    result = Evaluator(model, pc, "1f1b", data).evaluate()
+    return {
+        "dataset_folder": list(folders),
+        "val_loss": result.loss,
+        "val_ppl": result.ppl,
+        "tokens": result.tokens,
+        "batches": data.num_batches,
+        "samples": data.num_samples,
+    }
+
+
+def loss_data(args: argparse.Namespace, ckpt):
+    """The validation batches of the --dataset-folder Nanosets, as training sized them."""
+    from nanotron_train.data import DataError, Nanoset
+    from nanotron_train.data.split import split_by_documents
+    from nanotron_train.data.validation import ValidationData
+
     tokens = ckpt.train_config.get("tokens") or {}
     dp = int((ckpt.train_config.get("parallelism") or {}).get("dp", 1))
     try:
@@ -106,7 +190,7 @@ def run(args: argparse.Namespace, pc) -> dict:
                 f"{expected[0]} ({expected[1][:12]})"
             )
         nanosets.append(split_by_documents(ns, args.split, seq)[1] if args.split else ns)
-    data = ValidationData(
+    return ValidationData(
         nanosets,
         None,
         sequence_length=seq,
@@ -118,40 +202,41 @@ def run(args: argparse.Namespace, pc) -> dict:
         eod_mask_loss=args.eod_mask_loss,
         document_masking=ckpt.model_config.document_masking,
     )
-    model = load_model(ckpt, pc)
-    result = Evaluator(model, pc, "1f1b", data).evaluate()
-    return {
-        "checkpoint": str(ckpt.folder),
-        "step": ckpt.step,
-        "dataset_folder": list(args.dataset_folder),
-        "val_loss": result.loss,
-        "val_ppl": result.ppl,
-        "tokens": result.tokens,
-        "batches": data.num_batches,
-        "samples": data.num_samples,
-        "tp": pc.tp_size,
-    }
+
+
+def print_report(report: dict) -> None:
+    where = f"checkpoint: {report['checkpoint']} (step {report['step']})"
+    if "val_loss" in report:
+        print(
+            f"{where} | val_loss: {report['val_loss']:.6g} | val_ppl: {report['val_ppl']:.6g} | "
+            f"tokens: {report['tokens']} | batches: {report['batches']} (tp={report['tp']})",
+            flush=True,
+        )
+    for task, metrics in report.get("tasks", {}).items():
+        shown = " | ".join(f"{k}: {v:.6g}" for k, v in metrics.items())
+        print(f"{where} | task {task} | {shown} (tp={report['tp']}, pp={report['pp']})")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tasks:
+        from nanotron_train.eval.harness import offline_by_default
+
+        offline_by_default()  # before the harness or `datasets` is imported
 
     def work(pc) -> dict:
         if args.limit_batches < 0:
             raise ValueError(f"--limit-batches must be >= 0 (0 = all), got {args.limit_batches}")
+        if not args.dataset_folder and args.tasks is None:
+            raise ValueError("nothing to evaluate: give --dataset-folder DIR and/or --tasks a,b")
         return run(args, pc)
 
-    status, report = run_over_tp(work)
+    status, report = run_over_tp(work, pp=args.pp)
     if report is not None:
         if args.json:
             print(json.dumps(report), flush=True)
         else:
-            print(
-                f"checkpoint: {report['checkpoint']} (step {report['step']}) | "
-                f"val_loss: {report['val_loss']:.6g} | val_ppl: {report['val_ppl']:.6g} | "
-                f"tokens: {report['tokens']} | batches: {report['batches']} (tp={report['tp']})",
-                flush=True,
-            )
+            print_report(report)
     return status
 
 

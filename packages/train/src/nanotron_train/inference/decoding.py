@@ -13,6 +13,7 @@ The stage's `logits` takes that key mask and the per-sequence positions.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -134,14 +135,17 @@ def generate(
     sampling: SamplingParams | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
     """Continue every prompt (token ids) in one batch; collective over the tp group (and the
     pp group when `stage` is one pipeline stage or StageChunks, and the ep group when its
     experts are split over one: every rank of the replica calls it with the same arguments and
     gets the same result).
 
-    Stops a row at EOS (kept in its output) and the batch when every row stopped or after
-    `max_new_tokens`. Greedy when `sampling` is None or its temperature is 0.
+    Stops a row at EOS (kept in its output), or once `stop(its new tokens)` is true (a stop
+    sequence: the caller cuts the text; every rank sees the same tokens, so all agree), and
+    the batch when every row stopped or after `max_new_tokens`. Greedy when `sampling` is
+    None or its temperature is 0.
     """
     sampling = (sampling or SamplingParams()).validate()
     _check_request(stage, prompts, max_new_tokens)
@@ -169,6 +173,8 @@ def generate(
         added = _keep_unfinished(out, token, done)
         if eos_token_id is not None:
             done |= token == eos_token_id
+        if stop is not None:
+            done |= torch.tensor([stop(row) for row in out], device=device)
         now = time.perf_counter()
         result.steps.append(now - t0)
         if step == 0:

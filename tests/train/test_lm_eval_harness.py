@@ -1,0 +1,320 @@
+"""lm-evaluation-harness on checkpoints of ours: `python -m nanotron_train.evaluate --tasks`
+through our model adapter gives the harness's own scores for the same weights exported to
+transformers (`HFLM`): identical accuracies and generations, log-likelihoods within 1e-4.
+
+Three random models built locally in transformers (Llama, Qwen2, Qwen2-MoE) go through
+`convert from-hf` (our checkpoint) and `convert to-hf` (the export HFLM loads). Three task
+YAMLs over local JSONL files, one per request kind: multiple choice (loglikelihood),
+perplexity (loglikelihood_rolling, texts longer than the model's 64 positions, so several
+windows) and generation with stop sequences (generate_until). Then the same at tp=2 and pp=2
+(two gloo processes). Nothing is downloaded (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanotron_parallel.testing import run_distributed
+
+pytest.importorskip("lm_eval")
+
+VOCAB = 300
+FAMILIES = ("llama", "qwen2", "qwen2_moe")
+TASKS = "nt_mc,nt_ppl,nt_gen,nt_gen_nostop"
+STOPS = ["s", "\n"]
+
+MC_YAML = """\
+task: nt_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}/mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+metadata:
+  version: 1
+"""
+PPL_YAML = """\
+task: nt_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}/ppl.jsonl
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1
+"""
+GEN_YAML = """\
+task: nt_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}/gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}} ="
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: {stops}
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 1
+"""
+
+
+def _write_tasks(root: Path) -> Path:
+    from nanotron_train.data.testing import tiny_texts
+
+    rng = random.Random(0)
+    words = " ".join(tiny_texts(20, seed=3)).split()
+    data, tasks = root / "data", root / "tasks"
+    data.mkdir()
+    tasks.mkdir()
+
+    def phrase(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    mc = [
+        {"question": phrase(rng.randint(3, 8)), "choices": [phrase(rng.randint(1, 3)) for _ in range(4)],
+         "label": rng.randint(0, 3)}
+        for _ in range(12)
+    ]  # fmt: skip
+    ppl = [{"text": t} for t in tiny_texts(5, seed=4, words=90)]
+    gen = [{"question": phrase(rng.randint(2, 6)), "answer": phrase(1)} for _ in range(8)]
+    for name, rows in (("mc", mc), ("ppl", ppl), ("gen", gen)):
+        (data / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tasks / "nt_mc.yaml").write_text(MC_YAML.format(data=data))
+    (tasks / "nt_ppl.yaml").write_text(PPL_YAML.format(data=data))
+    (tasks / "nt_gen.yaml").write_text(GEN_YAML.format(data=data, stops=json.dumps(STOPS)))
+    nostop = GEN_YAML.format(data=data, stops="[]").replace("task: nt_gen", "task: nt_gen_nostop")
+    (tasks / "nt_gen_nostop.yaml").write_text(nostop)  # stops at EOS only
+    return tasks
+
+
+def _our_config(kind: str):
+    from nanotron_models import LlamaConfig, Qwen2Config
+    from nanotron_models.moe import MoEConfig
+
+    sizes = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=kind == "llama",
+    )  # fmt: skip
+    if kind == "llama":
+        return LlamaConfig(**sizes)
+    moe = None
+    if kind == "qwen2_moe":
+        moe = MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=32, layers=[1],
+                        shared_expert_intermediate_size=48, enable_shared_expert=True)  # fmt: skip
+    return Qwen2Config(**sizes, attention_bias=True, moe_config=moe)
+
+
+def _random_hf_folder(kind: str, tok: Path, out: Path) -> Path:
+    """A transformers model of the family with random weights (large enough that the next
+    token is clear), saved with the tokenizer's files."""
+    import transformers
+
+    from nanotron_models.families import family_of
+    from nanotron_train.interop.hf_folder import copy_tokenizer_files
+
+    config = _our_config(kind)
+    hf_config = family_of(config).hf.config_to_hf(config)
+    torch.manual_seed(FAMILIES.index(kind))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out)
+    copy_tokenizer_files(tok, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    """The tokenizer, the tasks, and per family our checkpoint and its transformers export."""
+    from nanotron_train.convert import main as convert_main
+    from nanotron_train.data.testing import make_tokenizer, tiny_texts
+
+    torch.set_num_threads(1)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ[name] = "1"
+    root = tmp_path_factory.mktemp("harness")
+    tok = make_tokenizer(root / "tok", tiny_texts(60), vocab_size=VOCAB)
+    models = {}
+    for kind in FAMILIES:
+        hf = _random_hf_folder(kind, tok, root / f"{kind}-hf")
+        ckpt, export = root / f"{kind}-ckpt", root / f"{kind}-export"
+        assert convert_main(["from-hf", "--hf-path", str(hf), "--out", str(ckpt)]) == 0
+        assert convert_main(["to-hf", "--ckpt-path", str(ckpt), "--out", str(export)]) == 0
+        models[kind] = {"ckpt": ckpt, "export": export}
+    return {"root": root, "tasks": _write_tasks(root), "models": models}
+
+
+def _ours(ckpt: Path, tasks: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--ckpt-path", str(ckpt), "--tasks", TASKS, "--include-path", str(tasks),
+        "--batch-size", "5", "--bootstrap-iters", "0", "--log-samples",
+        "--output-path", str(out), *extra,
+    ]  # fmt: skip
+
+
+def _hflm_results(export: Path, tasks: Path) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(pretrained=str(export), device="cpu", batch_size=3, dtype="float32")
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    return simple_evaluate(
+        model=lm, tasks=TASKS.split(","), task_manager=manager, bootstrap_iters=0,
+        log_samples=True,
+    )  # fmt: skip
+
+
+def _responses(results: dict, task: str) -> list:
+    return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def assert_same_scores(ours: dict, theirs: dict) -> None:
+    """Identical accuracies, exact matches and generations; log-likelihoods within 1e-4."""
+    for task in ("nt_mc", "nt_ppl", "nt_gen", "nt_gen_nostop"):
+        a, b = _responses(ours, task), _responses(theirs, task)
+        assert len(a) == len(b) > 0
+        for mine, hf in zip(a, b):
+            if task.startswith("nt_gen"):
+                assert mine == hf
+                continue
+            flat_a, flat_b = [r[0] for r in mine], [r[0] for r in hf]
+            if task == "nt_mc":  # (log-likelihood, greedy) per choice
+                assert [g for _, g in flat_a] == [g for _, g in flat_b]
+                flat_a, flat_b = [x for x, _ in flat_a], [x for x, _ in flat_b]
+            assert flat_a == pytest.approx(flat_b, abs=1e-4)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["nt_mc"][metric] == theirs["results"]["nt_mc"][metric]
+    assert (
+        ours["results"]["nt_gen"]["exact_match,none"]
+        == theirs["results"]["nt_gen"]["exact_match,none"]
+    )
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["nt_ppl"][metric] == pytest.approx(
+            theirs["results"]["nt_ppl"][metric], rel=1e-5
+        )
+
+
+@pytest.fixture(scope="module")
+def single(setup) -> dict:
+    """Per family: our command's results (one process) and HFLM's on the export."""
+    from nanotron_train.evaluate import main
+
+    out = {}
+    for kind, paths in setup["models"].items():
+        path = setup["root"] / f"{kind}-ours.json"
+        assert main(_ours(paths["ckpt"], setup["tasks"], path, "--json")) == 0
+        out[kind] = {
+            "ours": json.loads(path.read_text()),
+            "hflm": _hflm_results(paths["export"], setup["tasks"]),
+        }
+    return out
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_adapter_scores_equal_hflm_on_the_exported_weights(setup, single, kind):
+    from nanotron_train.data import load_tokenizer
+
+    ours, theirs = single[kind]["ours"], single[kind]["hflm"]
+    assert_same_scores(ours, theirs)
+    # Perplexity texts longer than the model's 64 positions: several rolling windows.
+    tok = load_tokenizer(str(setup["root"] / "tok"))
+    lengths = [len(tok.encode(s["doc"]["text"])) for s in ours["samples"]["nt_ppl"]]
+    assert max(lengths) > 2 * 64
+    # Each stopped generation is the unstopped one cut before its first stop sequence, and
+    # some stops cut a non-empty text short.
+    stopped, full = _responses(ours, "nt_gen"), _responses(ours, "nt_gen_nostop")
+    cut = 0
+    for [[text]], [[whole]] in zip(stopped, full):
+        expected = whole
+        for stop in STOPS:
+            expected = expected.split(stop)[0]
+        assert text == expected
+        cut += 0 < len(text) < len(whole)
+    assert cut >= 2
+
+
+def test_command_prints_scores_and_refuses_bad_input(setup, single, capsys):
+    from nanotron_train.evaluate import main
+
+    paths = setup["models"]["llama"]
+    capsys.readouterr()
+    args = ["--ckpt-path", str(paths["ckpt"]), "--include-path", str(setup["tasks"])]
+    assert main([*args, "--tasks", "nt_mc", "--bootstrap-iters", "0"]) == 0
+    acc = single["llama"]["hflm"]["results"]["nt_mc"]["acc,none"]
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == (f"checkpoint: {paths['ckpt'] / '0'} (step 0) | task nt_mc | "
+                    f"acc,none: {acc:.6g} | acc_norm,none: "
+                    f"{single['llama']['hflm']['results']['nt_mc']['acc_norm,none']:.6g} "
+                    "(tp=1, pp=1)")  # fmt: skip
+    missing = setup["root"] / "no-such-folder"
+    assert (
+        main(["--ckpt-path", str(paths["ckpt"]), "--tasks", "x", "--include-path", str(missing)])
+        == 2
+    )
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --include-path {missing}: not a folder"
+    ]
+    assert main(["--ckpt-path", str(paths["ckpt"])]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: nothing to evaluate: give --dataset-folder DIR and/or --tasks a,b"
+    ]
+
+
+def _layout_job(runs: list[tuple[list[str], list[str]]]) -> None:
+    """On each of 2 ranks: every family's tasks at tp=2, then at pp=2."""
+    import torch.distributed as dist
+
+    from nanotron_train.evaluate import main
+
+    dist.init_process_group("gloo", init_method="env://")
+    for tp2, pp2 in runs:
+        assert main(tp2) == 0
+        assert main([*pp2, "--pp", "2"]) == 0
+    dist.destroy_process_group()
+
+
+def test_tp2_and_pp2_scores_equal_hflm(setup, single):
+    runs, outs = [], []
+    for kind, paths in setup["models"].items():
+        tp2, pp2 = (setup["root"] / f"{kind}-{layout}.json" for layout in ("tp2", "pp2"))
+        runs.append(
+            (_ours(paths["ckpt"], setup["tasks"], tp2), _ours(paths["ckpt"], setup["tasks"], pp2))
+        )
+        outs += [(kind, tp2, (2, 1)), (kind, pp2, (1, 2))]
+    run_distributed(_layout_job, 2, runs, timeout=300)
+    for kind, path, layout in outs:
+        ours = json.loads(path.read_text())
+        assert (ours["nanotron"]["tp"], ours["nanotron"]["pp"]) == layout
+        assert_same_scores(ours, single[kind]["hflm"])
