@@ -132,3 +132,28 @@ def test_mup_learning_rates_survive_every_layout_and_a_resume(tmp_path):
     for lay, losses in zip(layouts, got, strict=True):
         assert rel(losses, full) < 1e-5, (lay, losses, full)
     assert full[-1] < full[0]
+
+
+def test_use_mup_on_qwen2_biases_stay_zero_at_the_base_rate():
+    """The second family: Qwen2's q/k/v biases (Nanotron has no spectral rule for a bias)."""
+    from nanotron_parallel.context import ParallelContext
+    from tests.train.test_qwen2_train import masked_config
+
+    raw = masked_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"})
+    raw["model"]["init_method"] = {"use_mup": True}
+    with shared_default_group():
+        pc = ParallelContext(1, 1, 1)
+        try:
+            trainer = _trainer(raw, pc)
+            mc = trainer.cfg.model.model_config
+            d = mc.hidden_size // mc.num_attention_heads
+            qkv_out = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * d
+            params = dict(trainer.named_params)
+            scales = {pc_.name: pc_.lr_scale for pc_ in trainer.state.optimizer.pieces}
+            biases = [n for n in params if n.endswith("qkv.bias")]
+            assert biases and all(not params[n].any() and scales[n] == 1.0 for n in biases)
+            assert scales["decoder.0.attn.qkv.weight"] == qkv_out / mc.hidden_size
+            std = (1 / math.sqrt(mc.hidden_size)) * min(1, math.sqrt(qkv_out / mc.hidden_size))
+            assert float(params["decoder.0.attn.qkv.weight"].std()) == pytest.approx(std, rel=0.05)
+        finally:
+            pc.destroy()
