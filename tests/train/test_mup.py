@@ -27,6 +27,7 @@ FANS = {
     "lm_head.weight": (H, VOCAB),  # untied only: tied, it is the embedding
 }
 LR = 3.0e-3
+MUON = {"name": "muon", "muon_learning_rate": 0.02, "muon_ns_dtype": "float32"}
 
 
 def _nanotron_rule(name: str, tied: bool) -> tuple[float | None, float]:
@@ -104,6 +105,8 @@ def mup_jobs(jobs: list[dict]) -> list[list[float]]:
             records: list[dict] = []
             try:
                 raw = _config(lay, job.get("ckpt"), job.get("steps", 6), job.get("resume"))
+                if job.get("muon"):  # float32 Newton-Schulz: layouts within 1e-5
+                    raw["optimizer"]["optimizer_factory"] = dict(MUON)
                 _trainer(raw, pc).train(on_record=records.append)
             finally:
                 dist.barrier()
@@ -114,11 +117,12 @@ def mup_jobs(jobs: list[dict]) -> list[list[float]]:
 
 def test_mup_learning_rates_survive_every_layout_and_a_resume(tmp_path):
     ck = str(tmp_path / "one")
-    full, cut, resumed = mup_jobs(
+    full, cut, resumed, muon = mup_jobs(
         [
             {"layout": {**ONE, "tied": False}},
             {"layout": {**ONE, "tied": False}, "ckpt": ck, "steps": 3},
             {"layout": {**ONE, "tied": False}, "ckpt": ck, "resume": "latest"},
+            {"layout": {**ONE, "tied": False}, "muon": True},
         ]
     )
     assert cut == full[:3] and resumed == full[3:]  # bitwise
@@ -128,10 +132,29 @@ def test_mup_learning_rates_survive_every_layout_and_a_resume(tmp_path):
         {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "tied": False},
         {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "tied": False},
     ]
-    got = run_distributed(mup_jobs, 2, [{"layout": lay} for lay in layouts], timeout=300)[0]
+    jobs = [{"layout": lay} for lay in layouts] + [{"layout": layouts[0], "muon": True}]
+    *got, muon_tp2 = run_distributed(mup_jobs, 2, jobs, timeout=300)[0]
     for lay, losses in zip(layouts, got, strict=True):
         assert rel(losses, full) < 1e-5, (lay, losses, full)
-    assert full[-1] < full[0]
+    assert full[-1] < full[0] and rel(muon_tp2, muon) < 1e-5 and muon != full
+
+
+def test_use_mup_with_muon_scales_what_adamw_steps():
+    """Muon's hidden matrices keep Muon's rule; the AdamW-stepped lm_head gets fan_out/fan_in."""
+    from nanotron_parallel.context import ParallelContext
+
+    raw = _config({**ONE, "tied": False})
+    raw["optimizer"]["optimizer_factory"] = dict(MUON)
+    with shared_default_group():
+        pc = ParallelContext(1, 1, 1)
+        try:
+            opt = _trainer(raw, pc).state.optimizer
+            adamw = {p.name: p.lr_scale for p in opt.adamw.pieces}
+            assert adamw["lm_head.weight"] == VOCAB / H and adamw["embedding.weight"] == 1.0
+            assert "decoder.0.attn.qkv.weight" not in adamw
+            assert opt.settings()["muon"]["lr"] == MUON["muon_learning_rate"]
+        finally:
+            pc.destroy()
 
 
 def test_use_mup_on_qwen2_biases_stay_zero_at_the_base_rate():

@@ -111,13 +111,10 @@ CHECKS: tuple[Check, ...] = (
         "model.init_method.use_mup",
         lambda c: (
             not c.model.init_method.use_mup
-            or (
-                getattr(c.model.model_config, "moe_config", None) is None
-                and c.optimizer.optimizer_factory.name != "muon"
-            )
+            or getattr(c.model.model_config, "moe_config", None) is None
         ),
-        "spectral µP has per-layer rules for dense layers under Adam or SGD (as Nanotron's); "
-        "not with model_config.moe_config or optimizer_factory.name: muon",
+        "spectral µP has per-layer rules for dense layers only (as Nanotron's): not with "
+        "model_config.moe_config (the router and the experts)",
     ),
     Check(
         "model.init_method.std",
