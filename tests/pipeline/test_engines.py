@@ -60,7 +60,7 @@ def test_an_unknown_engine_names_the_config_key_and_the_choices() -> None:
 
 
 def test_a_new_row_is_run_by_name_and_read_by_the_memory_estimate(monkeypatch) -> None:
-    from nanotron_train.config.memory_estimate import _in_flight
+    from nanotron_train.plan.memory import in_flight
 
     calls = []
 
@@ -91,7 +91,7 @@ def test_a_new_row_is_run_by_name_and_read_by_the_memory_estimate(monkeypatch) -
         parallelism=SimpleNamespace(pp_engine="zero-bubble", pp=4),
         tokens=SimpleNamespace(batch_accumulation_per_replica=6),
     )
-    assert _in_flight(cfg) == 10
+    assert in_flight(cfg) == 10
 
 
 def test_each_engine_places_its_chunks_and_its_loss() -> None:

@@ -52,12 +52,13 @@ def test_parts_follow_the_layout():
 
 def test_configs_of_the_suite_fit_far_below():
     tiny = estimate(load_config(TINY)).total
-    assert tiny < 16 * 2**20  # 9 MiB: refused only by a machine with almost nothing free
+    assert tiny < 17 * 2**20  # 16 MiB: refused only by a machine with almost nothing free
     gpu = estimate(load_config(REPO / "configs" / "llama-1b-gpu.yaml")).total
     assert gpu < 40 * GIB  # an 80 GiB or larger GPU
     long = estimate(load_config(TINY, LONG)).total
-    # 4 x 2**20 tokens x (4 layers x 1536 saved fp32 values + 1536 of backward working set)
-    assert 120 * GIB <= long < 120.01 * GIB
+    # 4 x 2**20 tokens x (4 layers x 1536 saved fp32 values + 1.75 x 1536 of backward
+    # working set), + 3% of both for fragmentation (plan/memory.py)
+    assert 142.1 * GIB <= long < 142.2 * GIB
 
 
 MEASURE = r"""
@@ -82,7 +83,8 @@ print(json.dumps({"measured": status("VmHWM:") - rss, "estimate": estimate(cfg).
 
 def test_estimate_matches_the_measured_peak():
     """hidden 128, 4 layers, 4 x 1024 tokens, fp32, one step: ~200 MiB of activations, well
-    above allocator noise. The estimate errs low: stated range 0.5-1.25x the RSS growth."""
+    above allocator noise. The planner's memory model, fitted to err high: 1.01x measured here;
+    the band of tests/train/test_plan_memory.py, 0.9-1.25x."""
     data = raw(
         model__model_config__hidden_size=128,
         model__model_config__intermediate_size=384,
@@ -102,7 +104,7 @@ def test_estimate_matches_the_measured_peak():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     ratio = got["estimate"] / got["measured"]
     print(f"estimate {got['estimate'] / 2**20:.0f} MiB, measured {got['measured'] / 2**20:.0f} MiB")
-    assert 0.5 <= ratio <= 1.25, got
+    assert 0.9 <= ratio <= 1.25, got
 
 
 @pytest.fixture
@@ -126,13 +128,13 @@ def test_long_sequence_refused_in_one_line_before_allocating(tmp_path, capsys, e
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1, err
     assert err[0].startswith(
-        "error: not enough memory: this config needs about 120.0 GiB per rank (parameters 0.00, "
-        "gradients 0.00, optimizer 0.00, activations 120.00, logits 0.00 GiB; "
+        "error: not enough memory: this config needs about 142.1 GiB per rank (parameters 0.00, "
+        "gradients 0.00, optimizer 0.00, activations 96.00, logits 0.00, workspace 46.14 GiB; "
         "tokens.sequence_length=1048576 x tokens.micro_batch_size=4, 1 micro-batches in flight) "
         "but this rank has 8.0 GiB (MemAvailable 8.0 GiB)"
     ), err[0]
     assert err[0].endswith("or set general.ignore_memory_check: true")
-    assert grown_kib < 256 * 1024  # nothing of the 120 GiB was allocated
+    assert grown_kib < 256 * 1024  # nothing of the 142 GiB was allocated
 
 
 def test_the_check_can_be_turned_off(eight_gib):

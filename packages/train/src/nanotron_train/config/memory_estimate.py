@@ -8,141 +8,26 @@ by the ranks on the host. When the estimate is larger the run stops in one line 
 figures; `general.ignore_memory_check: true` (named after Nanotron's `ignore_sanity_checks`
 beside it) skips the check for a machine where the estimate is known to be pessimistic.
 
-The estimate, for the worst rank (the first pipeline stage, which holds the most micro-batches
-in flight; the embedding and the head are both counted):
-  * parameters: this stage's share over tp (and over dp x cp under ZeRO-3), in model.dtype;
-  * gradients: the same count, in fp32 with optimizer.accumulate_grad_in_fp32 (ZeRO-2/3
-    shard them over dp x cp);
-  * optimizer: AdamW's two fp32 moments plus an fp32 master copy of low-precision weights,
-    sharded over dp x cp from ZeRO-1 on;
-  * activations: per token and layer, the tensors autograd saves (the family's count, its
-    row's `activation_elements`; for Llama: norm inputs and outputs, q, k, v, attention
-    output, the MLP's gate, up and product; the hidden-size ones split over tp only in
-    REDUCE_SCATTER mode), for mbs x sequence / cp tokens, times the micro-batches in
-    flight (afab: all of them; 1f1b: pp; interleaved: 2 pp), only layer inputs under
-    recompute_layer plus one layer's whole set, and one layer's set again in fp32 for the
-    backward's working set; attention itself is taken as O(sequence) (flash / SDPA kernels),
-    not the sequence-squared score matrix;
-  * logits: the fp32 logits and their gradient over the vocabulary shard, unless
-    model.fused_linear_cross_entropy computes the loss chunk by chunk.
-On the CPU the estimate came out at 0.6-0.9x the measured growth of the peak RSS over a
-training step (fp32 and bf16, afab and 1f1b, recompute, fused or not): it errs low, so it
-refuses only configs that clearly cannot fit (a config 10x too large, not 10% too large).
-tests/train/test_memory_estimate.py measures that ratio on a small model.
+The estimate is the planner's memory model (nanotron_train/plan/memory.py, which says what it
+counts): one model for both, which aims to err high (tests/train/test_plan_memory.py asserts
+0.90-1.25x of the measured peak of small runs of every layout kind).
 """
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from nanotron_models.config import DTYPES
-from nanotron_models.families import family_of
-from nanotron_parallel.pipeline import engine
+from nanotron_train.plan.memory import GIB, MemoryEstimate, estimate
 
-GIB = 2**30
+__all__ = ["GIB", "MemoryCheckError", "MemoryEstimate", "check_memory", "estimate", "memory_error"]
 MEMINFO = "/proc/meminfo"
 
 
 class MemoryCheckError(ValueError):
     """The config needs more memory than the machine has; the message gives both figures."""
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
-    logits: int
-    in_flight: int  # micro-batches whose activations are held at once
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits
-
-    def describe(self) -> str:
-        parts = ("parameters", "gradients", "optimizer", "activations", "logits")
-        return ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts) + " GiB"
-
-
-def _stage_parameters(cfg) -> int:
-    """Parameters of the largest pipeline stage over tp (embedding and head both counted)."""
-    mc = cfg.model.model_config
-    par = cfg.parallelism
-    div = cfg.model.make_vocab_size_divisible_by
-    vocab = -(-mc.vocab_size // div) * div
-    experts = _routed_expert_parameters(mc)  # replicated over tp, split over ep
-    per_layer = (family_of(mc).num_parameters(mc) - mc.vocab_size * mc.hidden_size * (2 - mc.tie_word_embeddings)
-                 - mc.hidden_size - experts) // mc.num_hidden_layers  # fmt: skip
-    layers = math.ceil(mc.num_hidden_layers / par.pp)
-    heads = 1 if (par.pp == 1 and mc.tie_word_embeddings) else 2
-    expert_share = experts * layers // mc.num_hidden_layers // par.expert_parallel_size
-    return (layers * per_layer + heads * vocab * mc.hidden_size) // par.tp + expert_share
-
-
-def _routed_expert_parameters(mc) -> int:
-    """Every routed expert's weights over the model's MoE layers (0 without moe_config)."""
-    m = getattr(mc, "moe_config", None)
-    if m is None:
-        return 0
-    per_layer = m.num_experts * 3 * mc.hidden_size * m.moe_intermediate_size
-    return per_layer * len(m.moe_layers(mc.num_hidden_layers))
-
-
-def _activation_elements_per_token(cfg) -> tuple[int, int]:
-    """(saved elements per token of one layer, of one layer's input) on this tp rank: the
-    family's count (its row's `activation_elements`)."""
-    mc, par = cfg.model.model_config, cfg.parallelism
-    sequence_parallel = par.tp_mode == "REDUCE_SCATTER"
-    return family_of(mc).activation_elements(mc, par.tp, sequence_parallel)
-
-
-def _in_flight(cfg) -> int:
-    par, m = cfg.parallelism, cfg.tokens.batch_accumulation_per_replica
-    return engine(par.pp_engine).in_flight(m, par.pp)
-
-
-def estimate(cfg) -> MemoryEstimate:
-    par, tok, opt = cfg.parallelism, cfg.tokens, cfg.optimizer
-    mc = cfg.model.model_config
-    elem = DTYPES[cfg.model.dtype].itemsize
-    dp_cp = par.dp * par.context_parallel_size
-    params = _stage_parameters(cfg)
-    zero = opt.zero_stage
-    grad_bytes = 4 if opt.accumulate_grad_in_fp32 else elem
-    # Muon: one momentum for its matrices, AdamW's two for the rest (counted as two); under
-    # ZeRO its step holds two fp32 flat buffers of the stage's matrices (optimizer/muon.py).
-    moments = 0 if opt.optimizer_factory.name == "sgd" else 2
-    muon_flat = 8 if opt.optimizer_factory.name == "muon" and zero >= 1 and dp_cp > 1 else 0
-    master = 1 if elem < 4 else 0
-    seq = max(
-        [tok.sequence_length] + [s.sequence_length or 0 for s in cfg.data_stages]
-    )  # the longest stage
-    tokens = tok.micro_batch_size * seq // par.context_parallel_size
-    layers = math.ceil(mc.num_hidden_layers / par.pp)
-    per_layer, layer_input = _activation_elements_per_token(cfg)
-    in_flight = _in_flight(cfg)
-    if par.recompute_layer:
-        held = in_flight * layers * layer_input + per_layer
-    else:
-        held = in_flight * layers * per_layer
-    vocab_shard = mc.vocab_size // par.tp
-    logits = 0 if cfg.model.fused_linear_cross_entropy else 2 * 4 * tokens * vocab_shard
-    return MemoryEstimate(
-        parameters=params * elem // (dp_cp if zero == 3 else 1),
-        gradients=params * grad_bytes // (dp_cp if zero >= 2 else 1),
-        optimizer=params * 4 * (moments + master) // (dp_cp if zero >= 1 else 1)
-        + params * muon_flat,
-        # + one layer's backward working set (gradients of its activations, fp32 norm temps)
-        activations=tokens * (held * elem + per_layer * 4),
-        logits=logits,
-        in_flight=in_flight,
-    )
 
 
 def available_bytes(device: torch.device, world_size: int) -> tuple[int, str]:

@@ -1,0 +1,5 @@
+import sys
+
+from nanotron_train.plan.cli import main
+
+sys.exit(main())
