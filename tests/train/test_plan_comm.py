@@ -2,7 +2,8 @@
 step hands to each process group's collectives, counted by wrapping torch.distributed's
 collectives in every rank: tp (all-reduce), cp (all-gather), ep (all-to-all, summed over the
 ep group: a rank's received rows depend on the routing), pp (sends) and dp (the dense and
-expert gradients' reductions) equal the prediction exactly. Calls of at most 8 bytes (the
+expert gradients' reductions, and the ZeRO-1/2/3 parameter gathers over the same group)
+equal the prediction exactly, with recompute and the cp ring too. Calls of at most 8 bytes (the
 logged loss, the gradient norm) are scalars the model leaves out. One world-4 launch."""
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_ten
        "all_to_all_single", "broadcast")  # fmt: skip
 KINDS = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp_cp": "dp", "edp_cp": "dp"}
 LAYOUTS = {
-    "dp2 tp2": dict(dp=2, tp=2),
-    "pp2 dp2 1f1b": dict(pp=2, dp=2, m=4, mbs=2),
-    "cp2 dp2 all-gather": dict(cp=2, dp=2),
+    "dp2 tp2 recompute zero2": dict(dp=2, tp=2, recompute=True, zero=2),
+    "pp2 dp2 1f1b zero3": dict(pp=2, dp=2, m=4, mbs=2, zero=3),
+    "cp2 dp2 all-gather zero1": dict(cp=2, dp=2, zero=1),
+    "cp4 ring": dict(cp=4, cp_attention="ring"),
     "moe dp4 ep2": dict(family="moe", dp=4, ep=2, m=1),
 }
 
@@ -109,7 +111,9 @@ def count(layouts: list[dict]) -> list[dict]:
             moe_layers = len(moe.moe_layers(mc.num_hidden_layers)) if moe else 0
             predicted = collections.Counter()
             for c in collectives(cfg, params, moe_layers, mc.num_hidden_layers // p.pp, pc.pp_rank):
-                predicted[c.kind] += c.bytes
+                predicted["dp" if c.kind == "zero_gather" else c.kind] += c.bytes
+            if pc.dp_cp_group is pc.cp_group:  # dp = 1: one group, counted as cp
+                predicted["cp"] += predicted.pop("dp", 0)
             out.append({"counted": dict(snap), "predicted": dict(predicted), "ep_rank": pc.ep_rank})
     return out
 
