@@ -182,6 +182,10 @@ FAMILY_MODULES = {
     for m in (
         "config", "qwen2", "blocks", "model", "init", "flops", "kv_cache", "nanotron_names",
         "hf", "hf_qwen2", "hf_qwen2_moe", "hf_mixtral",
+        # the Mamba-2 / hybrid family (its layers reuse the Llama family's attention and norm)
+        "mamba2_hybrid", "mamba2_hybrid.config", "mamba2_hybrid.spec", "mamba2_hybrid.layers",
+        "mamba2_hybrid.stage", "mamba2_hybrid.hf", "mamba2_hybrid.decode_state",
+        "mamba2_hybrid.names",
     )
 }  # fmt: skip
 # Modules that may name a family: its row, and the package's facade (re-exports for scripts).

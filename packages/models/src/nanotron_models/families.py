@@ -45,6 +45,20 @@ from .hf_qwen2 import qwen2_architecture, qwen2_config_from_hf, qwen2_config_to_
 from .hf_qwen2_moe import qwen2_moe_config_from_hf, qwen2_moe_config_to_hf
 from .init import LLAMA_TP_PLAN, InitSpec, llama_init_spec
 from .kv_cache import KVCache
+from .mamba2_hybrid import hf as mamba2_hf
+from .mamba2_hybrid.config import Mamba2HybridConfig
+from .mamba2_hybrid.decode_state import new_hybrid_decode_state
+from .mamba2_hybrid.names import HYBRID_NANOTRON_LAYER_NAMES
+from .mamba2_hybrid.spec import (
+    MAMBA2_HYBRID_TP_PLAN,
+    hybrid_activation_elements,
+    hybrid_block_costs,
+    hybrid_block_names,
+    hybrid_init_spec,
+    hybrid_num_parameters,
+    hybrid_training_flops_per_token,
+)
+from .mamba2_hybrid.stage import build_hybrid_stage
 from .materialise import load_full_tensors, missing_parameters, shard_full_tensors
 from .model import TIED_KEY, build_llama_stage
 from .nanotron_names import LLAMA_NANOTRON_LAYER_NAMES, LLAMA_NANOTRON_TOP_NAMES
@@ -246,7 +260,61 @@ QWEN2 = dataclasses.replace(
     yaml_marker="is_qwen2_config",
 )
 
-FAMILIES: dict[str, ModelFamily] = {"llama": LLAMA, "qwen2": QWEN2}
+# Mamba-2 and its hybrids (mamba2_hybrid/): HF Mamba2ForCausalLM, and Nemotron-H's layer
+# pattern (M Mamba-2, * attention, - MLP) as NemotronHForCausalLM.
+MAMBA2 = ModelFamily(
+    name="mamba2",
+    config_class=Mamba2HybridConfig,
+    build_stage=build_hybrid_stage,
+    block_names=hybrid_block_names,
+    block_costs=hybrid_block_costs,
+    layer_prefix="decoder.",
+    init_spec=hybrid_init_spec,
+    tp_plan=MAMBA2_HYBRID_TP_PLAN,
+    tied_key=TIED_KEY,
+    num_parameters=hybrid_num_parameters,
+    training_flops_per_token=hybrid_training_flops_per_token,
+    activation_elements=hybrid_activation_elements,
+    arch_keys=(
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "hybrid_override_pattern",
+        "num_heads",
+        "head_dim",
+        "n_groups",
+        "state_size",
+        "conv_kernel",
+        "use_conv_bias",
+        "use_bias",
+        "layer_norm_epsilon",
+        "time_step_limit",
+        "tie_word_embeddings",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "attention_head_dim",
+        "attention_bias",
+        "intermediate_size",
+        "mlp_hidden_act",
+        "mlp_bias",
+    ),  # fmt: skip
+    optional_arch_keys=(),
+    new_decode_state=new_hybrid_decode_state,
+    hf=HFMapping(
+        model_type="mamba2",
+        architectures=("Mamba2ForCausalLM", "NemotronHForCausalLM"),
+        config_from_hf=mamba2_hf.config_from_hf,
+        config_to_hf=mamba2_hf.config_to_hf,
+        state_dict_from_hf=mamba2_hf.state_dict_from_hf,
+        state_dict_to_hf=mamba2_hf.state_dict_to_hf,
+        model_types=("mamba2", "nemotron_h"),
+        architecture_of=mamba2_hf.architecture,
+    ),
+    nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, HYBRID_NANOTRON_LAYER_NAMES),
+    yaml_marker="is_mamba2_config",
+)
+
+FAMILIES: dict[str, ModelFamily] = {"llama": LLAMA, "qwen2": QWEN2, "mamba2": MAMBA2}
 
 
 def family(name: str) -> ModelFamily:

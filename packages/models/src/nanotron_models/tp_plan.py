@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanotron_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -35,6 +35,7 @@ class TPPlan:
     `decoder.3.attn.qkv`, `lm_head`), -> its split."""
 
     layers: Mapping[str, Split]
+    parameters: Mapping[str, int] = field(default_factory=dict)  # name's end -> its cut dim
 
     def split_of(self, layer_path: str) -> Split | None:
         """The split of the layer at module path `layer_path` (None: replicated)."""
@@ -45,6 +46,9 @@ class TPPlan:
 
     def shard_dim(self, param_name: str) -> int | None:
         """The dimension parameter `param_name` (a global name) is cut on (None: replicated)."""
+        for key, dim in self.parameters.items():
+            if param_name == key or param_name.endswith("." + key):
+                return dim
         layer, _, kind = param_name.rpartition(".")
         split = self.split_of(layer)
         if split is None:

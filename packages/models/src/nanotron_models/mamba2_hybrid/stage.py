@@ -1,0 +1,271 @@
+"""HybridStage: some contiguous blocks of a Mamba-2 / hybrid model with this rank's tp shards
+(a stage.ModelStage), and its builder, the family row's `build_stage`.
+
+Documents: with document masking on, each micro-batch's document ids (the data's, or derived
+once from positions restarting at 0) give the attention masks and, once per micro-batch, the
+Mamba-2 layers' reset mask: the state and the conv start again at each document.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nanotron_parallel.compile_boundary import prepare_compile
+from nanotron_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLinearMode,
+    VocabParallelEmbedding,
+    gather_from_tp,
+)
+
+from ..attention import resolve_backend
+from ..blocks import Embedding, LMHead, Loss, RMSNorm, linear_mode
+from ..config import ATTN_BACKENDS, ModelConfigError
+from ..masks import DOCUMENT_IDS_KEY, document_ids
+from ..materialise import materialise
+from ..mixers import reset_mask_from_document_ids
+from .config import Mamba2HybridConfig
+from .layers import RESET_KEY, HybridLayer
+from .spec import fill_head_params, hybrid_block_names, hybrid_init_spec
+
+Batch = dict[str, torch.Tensor]
+
+
+class HybridStage(nn.Module):
+    """Submodules `embedding`, `decoder` (ModuleDict by global layer index), `final_norm`,
+    `lm_head`, `loss`, each only if in block_names; options set after building, as
+    LlamaStage's (parallelize.py calls them), never renaming a parameter."""
+
+    def __init__(
+        self, config: Mamba2HybridConfig, pc, block_names, tp_mode, backend, device, dtype
+    ):
+        super().__init__()
+        self.config, self.pc, self.block_names = config, pc, list(block_names)
+        self.tp_mode, group, c = tp_mode, pc.tp_group, config
+        vpad, kw = c.padded_vocab_size(pc.tp_size), {"device": device, "dtype": dtype}
+        if "embedding" in block_names:
+            self.embedding = Embedding(vpad, c.hidden_size, group, tp_mode, **kw)
+            self.embedding.fuse_grad_accumulation = not c.tie_word_embeddings
+        layers = [int(n.split(".")[1]) for n in block_names if n.startswith("decoder.")]
+        self.decoder = nn.ModuleDict(
+            {str(i): HybridLayer(c, i, group, tp_mode, backend, **kw) for i in layers}
+        )
+        if "final_norm" in block_names:
+            sp = tp_mode == TensorParallelLinearMode.REDUCE_SCATTER
+            eps, fused = c.layer_norm_epsilon, c._fused_rms_norm
+            self.final_norm = RMSNorm(c.hidden_size, eps, group, sp, fused=fused, **kw)
+        if "lm_head" in block_names:
+            self.lm_head = LMHead(c.hidden_size, vpad, group, tp_mode, **kw)
+            self.lm_head.fuse_grad_accumulation = not c.tie_word_embeddings
+        if "loss" in block_names:
+            self.loss = Loss(c.vocab_size, group, c.z_loss_weight)
+        self.recompute, self.cp_size = False, 1
+        self._compiled: dict = {}
+        self.fused_loss = False
+        self.set_fused_loss(True)
+
+    def block(self, name: str) -> nn.Module:
+        return (
+            self.decoder[name.split(".", 1)[1]]
+            if name.startswith("decoder.")
+            else getattr(self, name)
+        )
+
+    # ---- composition (parallelize.py) ----
+    def set_tp_mode(self, mode, async_communication=False, tensor_collectives=None,
+                    recompute_allgather=False) -> None:  # fmt: skip
+        """Every tp layer and norm to `mode` (see LlamaStage.set_tp_mode)."""
+        self.tp_mode = mode = linear_mode(mode)
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.set_communication(mode, async_communication, tensor_collectives,
+                                         recompute_allgather)  # fmt: skip
+            elif isinstance(module, VocabParallelEmbedding):
+                module.set_communication(mode, tensor_collectives)
+            elif isinstance(module, RMSNorm):
+                module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
+
+    def set_context_parallel(self, group, size: int, native_reduce_scatter=None, attention=None):
+        """Train on 1/cp of every sequence (nanotron_parallel.context_parallel's zigzag
+        chunks): attention layers reach the other cp ranks' keys and values by `attention`,
+        Mamba-2 layers pass their conv halo and SSM state across ranks (mixers/mamba2_cp.py);
+        the loss is this rank's share. Mamba-2 layers under cp need ALL_REDUCE (their batch-
+        first in_proj cannot gather a sequence-parallel input)."""
+        has_m = any(layer.kind == "M" for layer in self.decoder.values())
+        if size > 1 and has_m and self.tp_mode == TensorParallelLinearMode.REDUCE_SCATTER:
+            raise ModelConfigError(
+                "parallelism.tp_mode REDUCE_SCATTER with context_parallel_size > 1 is not "
+                "supported for Mamba-2 layers: use ALL_REDUCE"
+            )
+        self.cp_size = size
+        for layer in self.decoder.values():
+            if layer.kind == "*":
+                layer.mixer.set_context_parallel(group, size, native_reduce_scatter, attention)
+            elif layer.kind == "M":
+                layer.mixer.set_context_parallel(group, size, native_reduce_scatter)
+        if hasattr(self, "loss"):
+            self.loss.cp_size = size
+
+    def set_recompute(self, enabled: bool) -> None:
+        self.recompute = enabled
+
+    def set_fused_loss(self, enabled: bool) -> None:
+        self.fused_loss = bool(enabled) and {"lm_head", "loss"} <= set(self.block_names)
+
+    def compile_layers(self) -> None:
+        """torch.compile each layer (the checkpointed call as a whole under recompute)."""
+        param = next(self.parameters())
+        for layer in self.decoder.values():
+            if layer.kind == "*":
+                layer.mixer.backend = resolve_backend(layer.mixer.backend, param.device)
+        prepare_compile()
+        if not self.recompute:
+            for layer in self.decoder.values():
+                layer.compile(dynamic=False)
+            return
+        self._compiled = {
+            key: torch.compile(functools.partial(_checkpointed, layer), dynamic=False)
+            for key, layer in self.decoder.items()
+        }
+
+    def called_blocks(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+        out = []
+        for name in self.block_names:
+            if self.fused_loss and name == "lm_head":
+                continue
+            block = self.block(name)
+            params = (
+                self.lm_head.parameters()
+                if self.fused_loss and name == "loss"
+                else block.parameters()
+            )
+            out.append((block, list(params)))
+        return out
+
+    # ---- training ----
+    def prepared(self, batch: Batch) -> Batch:
+        """The batch with the document ids (when masking) and the Mamba-2 reset mask: made
+        once per micro-batch, not per layer."""
+        if not self.config.document_masking or batch.get("position_ids") is None:
+            return batch
+        out = dict(batch)
+        if DOCUMENT_IDS_KEY not in out:
+            if self.cp_size > 1:
+                raise ValueError(
+                    "document masking under context parallel needs the batch's whole-sequence "
+                    f"{DOCUMENT_IDS_KEY!r} (position ids are this rank's slice)"
+                )
+            out[DOCUMENT_IDS_KEY] = document_ids(out["position_ids"])
+        if self.cp_size == 1 and any(layer.kind == "M" for layer in self.decoder.values()):
+            out[RESET_KEY] = reset_mask_from_document_ids(out[DOCUMENT_IDS_KEY])
+        return out
+
+    def forward(self, x: torch.Tensor | None, batch: Batch) -> torch.Tensor:
+        recompute = self.recompute and torch.is_grad_enabled()
+        batch = self.prepared(batch)
+        for name in self.block_names:
+            if self.fused_loss and name == "lm_head":
+                continue
+            block = self.block(name)
+            if self.fused_loss and name == "loss":
+                x = block(x, batch, head=self.lm_head)
+            elif recompute and isinstance(block, HybridLayer):
+                compiled = self._compiled.get(name.split(".", 1)[1])
+                x = compiled(x, batch) if compiled else _checkpointed(block, x, batch)
+            else:
+                x = block(x, batch)
+        assert x is not None
+        return x
+
+    # ---- inference ----
+    @torch.no_grad()
+    def logits(self, input_ids, position_ids=None, decode_state=None, key_mask=None, /):
+        """Full logits [b, s, vocab] of new tokens `input_ids` [b, s], continuing the tokens
+        `decode_state` (new_hybrid_decode_state) holds; needs every block (pp = 1)."""
+        if len(self.decoder) != self.config.num_hidden_layers or "lm_head" not in self.block_names:
+            raise ModelConfigError("HybridStage.logits needs every block on this stage (pp = 1)")
+        if self.cp_size > 1:
+            raise ModelConfigError("HybridStage.logits runs whole sequences: build it without cp")
+        batch = self.decoding_batch(input_ids, position_ids, key_mask)
+        full = self.gather_logits(self.decode_blocks(None, batch, decode_state))
+        if decode_state is not None:
+            decode_state.commit(input_ids.shape[1])
+        return full.transpose(0, 1)
+
+    def decoding_batch(self, input_ids, position_ids=None, key_mask=None) -> Batch:
+        """The batch `decode_blocks` reads. Left padding (key_mask False) is dropped from the
+        Mamba-2 states by a reset at each row's first real token."""
+        if self.tp_mode == TensorParallelLinearMode.REDUCE_SCATTER and self.pc.tp_size > 1:
+            raise ModelConfigError(
+                "decoding a Mamba-2 hybrid needs parallelism.tp_mode ALL_REDUCE (sequence "
+                "parallel would pad the tokens into the Mamba-2 states)"
+            )
+        batch: Batch = {"input_ids": input_ids}
+        if position_ids is not None:
+            batch["position_ids"] = position_ids
+        if key_mask is not None:
+            batch["key_mask"] = key_mask
+            earlier = torch.cat((key_mask.new_zeros(key_mask.shape[0], 1), key_mask[:, :-1]), 1)
+            batch[RESET_KEY] = (key_mask & ~earlier)[:, -input_ids.shape[1] :]
+        return batch
+
+    @torch.no_grad()
+    def decode_blocks(self, x, batch: Batch, decode_state, /) -> torch.Tensor:
+        """This stage's blocks but the loss, for decoding; the caller commits `decode_state`."""
+        if decode_state is None:
+            batch = self.prepared(batch)
+        for name in self.block_names:
+            if name == "loss":
+                continue
+            block = self.block(name)
+            if isinstance(block, HybridLayer):
+                x = block(x, batch, decode_state=decode_state)
+            else:
+                x = block(x, batch)
+        assert x is not None
+        return x
+
+    def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
+        return gather_from_tp(shard, self.pc.tp_group, dim=-1)[..., : self.config.vocab_size]
+
+
+def _checkpointed(layer: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    return checkpoint(layer, x, batch, use_reentrant=False, preserve_rng_state=True)
+
+
+def build_hybrid_stage(
+    config: Mamba2HybridConfig,
+    pc,
+    block_names: list[str],
+    *,
+    tp_mode=TensorParallelLinearMode.ALL_REDUCE,
+    seed: int = 42,
+    init_std: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    attn_backend: str | None = None,
+    scaling_method: str = "NUM_LAYERS",
+    parametrization: str = "sp",
+) -> HybridStage:
+    """The named contiguous blocks with this rank's tp shards, initialised from `seed` (the
+    same full weights whatever the layout)."""
+    config.validate(pc.tp_size)
+    names = hybrid_block_names(config)
+    idx = [names.index(n) if n in names else -1 for n in block_names]
+    if not idx or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ModelConfigError(f"block names must be known, contiguous and in order: {block_names}")
+    backend = attn_backend if attn_backend is not None else config.attention_backend
+    if backend not in ATTN_BACKENDS:
+        raise ModelConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
+    std = config.initializer_range if init_std is None else init_std
+    device = torch.device(device) if device is not None else torch.device(pc.device)
+    stage = HybridStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype)
+    materialise(stage, config, hybrid_init_spec, pc.tp_rank, pc.tp_size, seed, std, device,
+                dtype, scaling_method, parametrization)  # fmt: skip
+    fill_head_params(stage, config, seed)
+    return stage
