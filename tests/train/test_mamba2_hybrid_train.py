@@ -3,7 +3,9 @@ packed synthetic documents, a chunk size that does not divide the sequence) trai
 model in every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2
 sequence-parallel with the pattern split over the stages, dp=2 x tp=2 ZeRO-3 with recompute,
 dp=2 x pp=2 ZeRO-1 (afab), cp=2 x tp=2 (the Mamba-2 state and conv halo passed across cp
-ranks, chunks of 8 tokens against a scan chunk of 12); and its command-line run's loss falls."""
+ranks, chunks of 8 tokens against a scan chunk of 12); one process's checkpoint resumes at
+tp=2 x pp=2 with the same next step; its command-line run's loss falls; its step has no host
+sync."""
 
 from __future__ import annotations
 
@@ -42,6 +44,10 @@ def hybrid_config(layout: dict) -> dict:
     )
     par["context_parallel_size"] = layout.get("cp", 1)
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
+    if "save" in layout:  # a checkpoint at step 2
+        data["checkpoints"].update(checkpoints_path=layout["save"], checkpoint_interval=2)
+    if "resume" in layout:
+        data["checkpoints"]["resume_checkpoint_path"] = layout["resume"]
     return data
 
 
@@ -69,16 +75,25 @@ def _train(layouts: list[dict]) -> list[dict]:
     return out
 
 
-def test_hybrid_layouts_equal_one_process():
-    ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"}])[0]
+def test_hybrid_layouts_equal_one_process(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt}])[0]
+    resumed = {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "resume": f"{ckpt}/2"}
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 3, "recompute": True},
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "afab"},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
     ]
-    results = run_distributed(_train, 4, layouts, timeout=300)[0]
-    assert len(ref["loss"]) == STEPS and all(math.isfinite(x) for x in ref["loss"])
+    *results, after = run_distributed(_train, 4, [*layouts, resumed], timeout=300)[0]
+    # one process's checkpoint at step 2 resumed at tp=2 x pp=2: its step 3 is the same
+    assert abs(after["loss"][0] - ref["loss"][2]) <= 1e-5 * ref["loss"][2], (after, ref)
+    assert abs(after["norm"][0] - ref["norm"][2]) <= 1e-5 * ref["norm"][2], (after, ref)
+    assert (
+        len(after["loss"]) == 1
+        and len(ref["loss"]) == STEPS
+        and all(math.isfinite(x) for x in ref["loss"])
+    )
     for layout, res in zip(layouts, results, strict=True):
         for key in ("loss", "norm"):
             for a, b in zip(res[key], ref[key], strict=True):
@@ -97,3 +112,25 @@ def test_hybrid_config_trains_from_the_command_line(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 0.05
+
+
+def test_hybrid_step_has_no_host_sync():
+    """Document resets, the chunked scan and the masked attention add no host read to a
+    training step (the reset mask is made on the device from the document ids)."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.trainer import Trainer
+    from tests.train.test_step_syncs import SYNC_OPS, _events
+
+    torch.set_num_threads(1)
+    raw = hybrid_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"})
+    raw["logging"]["iteration_step_info_interval"] = 1000  # a logged step reads its loss
+    cfg = config_from_dict(raw, "h", world_size=None)
+    pc = ParallelContext(1, 1, 1)
+    try:
+        trainer = Trainer(cfg, pc, stream=io.StringIO())
+        trainer.train_step()
+        step, _ = _events(trainer.train_step)
+        trainer.close()
+    finally:
+        pc.destroy()
+    assert {op: step.get(op, 0) for op in SYNC_OPS} == dict.fromkeys(SYNC_OPS, 0), step
