@@ -2,7 +2,7 @@
 packed synthetic documents, a chunk size that does not divide the sequence) trains the same
 model in every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2
 sequence-parallel with the pattern split over the stages, dp=2 x tp=2 ZeRO-3 with recompute,
-dp=2 x pp=2 ZeRO-1 (afab), cp=2 x tp=2 (the Mamba-2 state and conv halo passed across cp
+dp=2 x pp=2 ZeRO-1 (zbv, the zero-bubble V), cp=2 x tp=2 (the Mamba-2 state and conv halo passed across cp
 ranks, chunks of 8 tokens against a scan chunk of 12); one process's checkpoint resumes at
 tp=2 x pp=2 with the same next step; its command-line run's loss falls; its step has no host
 sync."""
@@ -82,7 +82,7 @@ def test_hybrid_layouts_equal_one_process(tmp_path):
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 3, "recompute": True},
-        {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "afab"},
+        {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "zbv"},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
     ]
     *results, after = run_distributed(_train, 4, [*layouts, resumed], timeout=300)[0]
