@@ -79,3 +79,10 @@ def test_decoding_state_is_constant_per_token_for_mamba_layers(pc1):
     assert sizes[0][0] == sizes[1][0] > 0 and sizes[0][2] == [0, 3]
     kv_per_token = 2 * 2 * 2 * 8 * 4  # k and v, batch 2, 2 kv heads x 8, fp32
     assert sizes[1][1] - sizes[0][1] == 35 * kv_per_token
+
+
+def test_mup_is_refused_in_one_line(pc1):
+    """µP's forward multipliers are not in these layers: refused, not trained half-way."""
+    row, config = family("mamba2"), _config()
+    with pytest.raises(ModelConfigError, match="only sp for the Mamba-2 family"):
+        row.build_stage(config, pc1, row.block_names(config), parametrization="spectral_mup")

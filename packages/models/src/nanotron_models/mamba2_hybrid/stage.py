@@ -9,6 +9,7 @@ Mamba-2 layers' reset mask: the state and the conv start again at each document.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -250,11 +251,16 @@ def build_hybrid_stage(
     device=None,
     attn_backend: str | None = None,
     scaling_method: str = "NUM_LAYERS",
-    parametrization: str = "sp",
+    parametrization: Any = "sp",
 ) -> HybridStage:
     """The named contiguous blocks with this rank's tp shards, initialised from `seed` (the
     same full weights whatever the layout)."""
     config.validate(pc.tp_size)
+    if getattr(parametrization, "name", parametrization) != "sp":
+        raise ModelConfigError(
+            "model.parametrization / init_method.use_mup: only sp for the Mamba-2 family (its "
+            "layers have no µP multipliers yet)"
+        )
     names = hybrid_block_names(config)
     idx = [names.index(n) if n in names else -1 for n in block_names]
     if not idx or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
