@@ -25,18 +25,21 @@ WIDTHS = (64, 128, 256, 512)
 VOCAB, SEQ = 127, 16
 
 
-def config(width: int, init: dict, steps: int, lr: float) -> dict:
+def config(width: int, init: dict, steps: int, lr: float, layers: int = 2) -> dict:
+    init = dict(init)
+    param = init.pop("parametrization", None)
     return {
         "general": {"project": "bench", "run": "coord", "seed": 5},
         "model": {
             "model_config": {
                 "hidden_size": width, "intermediate_size": 2 * width,
-                "num_hidden_layers": 2, "num_attention_heads": width // 16,
+                "num_hidden_layers": layers, "num_attention_heads": width // 16,
                 "num_key_value_heads": width // 16, "vocab_size": VOCAB,
                 "max_position_embeddings": SEQ, "tie_word_embeddings": False,
             },
             "init_method": init,
             "dtype": "float32",
+            **({"parametrization": param} if param else {}),
         },
         "tokens": {"sequence_length": SEQ, "micro_batch_size": 2,
                    "batch_accumulation_per_replica": 2, "train_steps": steps},
@@ -49,12 +52,12 @@ def config(width: int, init: dict, steps: int, lr: float) -> dict:
     }  # fmt: skip
 
 
-def layer_rms(width: int, init: dict, steps: int, lr: float) -> list[float]:
+def layer_rms(width: int, init: dict, steps: int, lr: float, layers: int = 2) -> list[float]:
     """Each decoder layer's output RMS on a fixed batch after `steps` steps."""
     pc = ParallelContext(1, 1, 1)
     try:
-        trainer = Trainer(config_from_dict(config(width, init, steps, lr), "bench"), pc,
-                          stream=io.StringIO())  # fmt: skip
+        raw = config(width, init, steps, lr, layers)
+        trainer = Trainer(config_from_dict(raw, "bench"), pc, stream=io.StringIO())
         trainer.train()
         model, rms = trainer.state.model, {}
         for name in model.block_names:
@@ -83,7 +86,13 @@ def main() -> None:
     print(f"layer output RMS after {a.steps} Adam steps at lr {a.lr}, / width {WIDTHS[0]}'s")
     print("parametrization  layer  " + "  ".join(f"w={w:<4}" for w in WIDTHS))
     with shared_default_group():
-        for label, init in (("sp", {"std": 0.02}), ("use_mup", {"use_mup": True})):
+        base = {"base_hidden_size": WIDTHS[0], "base_num_layers": 2}
+        for label, init in (
+            ("sp", {"std": 0.02}),
+            ("use_mup", {"use_mup": True}),
+            ("mup", {"std": 0.02, "parametrization": {"name": "mup", **base}}),
+            ("completep", {"std": 0.02, "parametrization": {"name": "completep", **base}}),
+        ):
             table = [layer_rms(w, init, a.steps, a.lr) for w in WIDTHS]
             for layer in range(len(table[0])):
                 ratios = [row[layer] / table[0][layer] for row in table]

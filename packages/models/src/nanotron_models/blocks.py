@@ -63,7 +63,14 @@ class RMSNorm(nn.Module):
         self.fused = fused  # False: plain ops (Nanotron's _fused_rms_norm: false)
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
 
+    output_multiplier = 1.0  # the final norm's under µP (parametrization.py)
+
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
+        if self.output_multiplier != 1.0:
+            return self._norm(x) * self.output_multiplier
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
         if not self.fused:
             xf = x.float()
@@ -118,6 +125,8 @@ class Embedding(VocabParallelEmbedding):
 
 
 class Attention(nn.Module):
+    q_multiplier = 1.0  # µP's attention 1/d (parametrization.py; LlamaStage sets it)
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -185,6 +194,8 @@ class Attention(nn.Module):
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.n_heads + 2 * self.n_kv, self.head_dim)
         q, k, v = self._rotate(qkv, x, position_ids, kv_cache)
+        if self.q_multiplier != 1.0:  # µP's q.k / d: the kernels divide by sqrt(d) again
+            q = q * self.q_multiplier
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         backend = resolve_backend(self.backend, x.device)
@@ -274,6 +285,8 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 
 class DecoderLayer(nn.Module):
+    residual_multiplier = 1.0  # CompleteP's (parametrization.py; LlamaStage sets it)
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -306,8 +319,11 @@ class DecoderLayer(nn.Module):
             # once per micro-batch from the positions (LlamaStage.with_document_ids)
             doc_ids = batch.get(DOCUMENT_IDS_KEY)
         attn_in = self.input_norm(x)
-        x = x + self.attn(attn_in, position_ids, kv_cache, batch.get("key_mask"), doc_ids)
-        return x + self.mlp(self.post_attn_norm(x))
+        out = self.attn(attn_in, position_ids, kv_cache, batch.get("key_mask"), doc_ids)
+        r = self.residual_multiplier  # CompleteP's branch multiplier (parametrization.py)
+        x = x + (out if r == 1.0 else out * r)
+        out = self.mlp(self.post_attn_norm(x))
+        return x + (out if r == 1.0 else out * r)
 
 
 class LMHead(ColumnParallelLinear):

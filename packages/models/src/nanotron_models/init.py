@@ -53,6 +53,7 @@ class InitSpec:
     # parameter is an embedding (the vocabulary's rows, tied lm_head included).
     fan: tuple[int, int] | None = None
     embedding: bool = False
+    readout: bool = False  # the untied lm_head (its vocabulary side does not grow with width)
 
 
 def full_tensor(spec: InitSpec, seed: int) -> torch.Tensor:
@@ -98,7 +99,9 @@ def llama_init_spec(
         return InitSpec(key, (c.vocab_size, h), init_std, split, pad_rows_to=vpad, embedding=True)
     if name == "lm_head.weight":
         fan = (h, c.vocab_size)
-        return InitSpec(name, (c.vocab_size, h), init_std, split, pad_rows_to=vpad, fan=fan)
+        return InitSpec(
+            name, (c.vocab_size, h), init_std, split, pad_rows_to=vpad, fan=fan, readout=True
+        )
     if name == "final_norm.weight" or name.endswith("_norm.weight"):
         return InitSpec(name, (h,), None, split)
     if name.endswith("attn.qkv.weight"):

@@ -19,7 +19,7 @@ from nanotron_parallel.sharding import (
 )
 
 from .init import InitSpec, full_tensor
-from .parametrization import parametrized
+from .parametrization import as_parametrization, parametrized
 
 TIED_KEY = "embedding.weight"  # the name tied parameters (embedding, lm_head) share
 
@@ -52,30 +52,30 @@ def _check_plan(name: str, meta_param: torch.Tensor, spec: InitSpec) -> None:
 
 def materialise(
     stage, config, init_spec, tp_rank, tp, seed, std, device, dtype, scaling_method,
-    parametrization: str = "sp",
+    parametrization="sp",
 ) -> None:  # fmt: skip
     """Replace every meta parameter of `stage` by this rank's initial shard (`init_spec`:
     the family's; std, scaling: init.py), and meta buffers (a sigmoid router's expert bias) by zeros; a tied lm_head on
     the embedding's stage becomes the embedding's parameter. Under a `parametrization` other
-    than sp (parametrization.py), each parameter carries its learning-rate multiplier as
-    `lr_scale`, which the trainer's optimizer reads."""
+    than sp (parametrization.py), each parameter carries its learning-rate and Adam-eps
+    multipliers as `lr_scale` and `eps_scale`, which the trainer's optimizer reads."""
+    parametrization = as_parametrization(parametrization)
     tied_here = (
         config.tie_word_embeddings and hasattr(stage, "embedding") and hasattr(stage, "lm_head")
     )
     for name, meta_param in list(stage.named_parameters()):
         if tied_here and name == "lm_head.weight":
             continue
-        spec, lr_scale = parametrized(
-            init_spec(config, name, std, tp, scaling_method), name, parametrization
-        )
+        rule = parametrized(init_spec(config, name, std, tp, scaling_method), name, parametrization)
+        spec = rule.spec
         _check_plan(name, meta_param, spec)
         full = full_tensor(spec, seed)
         module, attr = _owner(stage, name)
         param = nn.Parameter(_shard(spec, full, module, tp_rank, tp).to(device=device, dtype=dtype))
         if spec.experts:
             mark_expert_param(param, spec.full_shape[0], module.first_local_expert)
-        if parametrization != "sp":
-            param.lr_scale = lr_scale
+        if parametrization.name != "sp":
+            param.lr_scale, param.eps_scale = rule.lr_scale, rule.eps_scale
         tied = config.tie_word_embeddings and name in ("embedding.weight", "lm_head.weight")
         if spec.shard_dim is not None or tied:
             meta = ParamMeta(tuple(full.shape), spec.shard_dim, spec.sections, tp_rank, tp,

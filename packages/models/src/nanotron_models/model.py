@@ -31,6 +31,7 @@ from .masks import DOCUMENT_IDS_KEY, document_ids
 from .materialise import TIED_KEY as TIED_KEY  # the name tied parameters share
 from .materialise import load_full_tensors, materialise, missing_parameters
 from .moe import MoEBlock, moe_layers_of
+from .parametrization import Multipliers, Parametrization, multipliers
 from .rotary import RotaryTable
 
 
@@ -54,6 +55,7 @@ class LlamaStage(nn.Module):
         device,
         dtype,
         dispatcher=None,
+        multipliers: Multipliers | None = None,
     ):
         super().__init__()
         self.config, self.pc, self.block_names = config, pc, list(block_names)
@@ -87,6 +89,11 @@ class LlamaStage(nn.Module):
             sp = tp_mode == TensorParallelLinearMode.REDUCE_SCATTER
             fused = getattr(c, "_fused_rms_norm", True)
             self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, group, sp, fused=fused, **kw)
+        m = multipliers or Multipliers()  # parametrization.py: µP / CompleteP's constants
+        for layer in self.decoder.values():
+            layer.residual_multiplier, layer.attn.q_multiplier = m.residual, m.attention_q
+        if "final_norm" in block_names:  # the lm_head's input: µP's readout multiplier
+            self.final_norm.output_multiplier = m.output
         if "lm_head" in block_names:
             self.lm_head = LMHead(c.hidden_size, vpad, group, tp_mode, **kw)
             self.lm_head.fuse_grad_accumulation = not c.tie_word_embeddings
@@ -333,7 +340,7 @@ def build_llama_stage(
     attn_backend: str | None = None,
     scaling_method: str = "NUM_LAYERS",
     dispatcher=None,
-    parametrization: str = "sp",
+    parametrization: str | Parametrization = "sp",
 ) -> LlamaStage:
     """Build the named contiguous blocks with this rank's tp shards, initialised from `seed`.
 
@@ -341,7 +348,8 @@ def build_llama_stage(
     (attn_backend, else Nanotron's _attn_implementation); scaling_method: see init.py;
     dispatcher: how MoE layers reach their experts (nanotron_parallel.expert_parallel; None:
     every expert on this rank), which also says which experts this rank holds;
-    parametrization: `sp` or `spectral_mup` (parametrization.py).
+    parametrization: `sp`, `spectral_mup` or a Parametrization (mup, completep:
+    parametrization.py).
     """
     config.validate(pc.tp_size)
     names = llama_block_names(config)
@@ -358,8 +366,9 @@ def build_llama_stage(
     device = torch.device(device) if device is not None else torch.device(pc.device)
     # Build on the meta device (no memory, no throw-away init), then fill every parameter.
     stage = LlamaStage(
-        config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype, dispatcher
-    )
+        config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype, dispatcher,
+        multipliers(parametrization, config.head_dim),
+    )  # fmt: skip
     materialise(
         stage, config, llama_init_spec, pc.tp_rank, pc.tp_size, seed, std, device, dtype,
         scaling_method, parametrization,

@@ -15,16 +15,65 @@ Learning", parametrization 1), with the full (unsharded) fans whatever tp is:
 - norms (ones) and biases (zeros): as under sp, learning rate lr (Nanotron has no rule for a
   bias: its fan-in is undefined, and it fails there; ours stay zero);
 - anything else randomly initialised (a MoE router or experts): no rule, an error.
+
+`mup` (µTransfer, Tensor Programs V, Adam) and `completep` (CompleteP, Dey et al. 2025: µP
+plus depth-µP with exponent alpha), relative to a base model: width_mult m = hidden /
+base_hidden, depth_mult L = layers / base_layers; at the base shape they are sp (but for the
+attention's 1/d, below):
+- hidden linear weights (`fan` set, not the readout): std / sqrt(m), Adam learning rate
+  lr / m (completep: x L^(alpha-1)), Adam eps unchanged (completep: eps / m x L^-alpha);
+- the embedding, the lm_head (readout: its vocabulary side does not grow), norms, biases:
+  std and learning rate as sp (completep: norms' and biases' rates x L^(alpha-1));
+- in the forward (`multipliers`): the lm_head's input x 1/m (tied or not: the readout
+  multiplier), attention scores q.k / d instead of / sqrt(d) (the queries x 1/sqrt(d)),
+  completep: each residual branch x L^-alpha.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 from .init import InitSpec
 
-PARAMETRIZATIONS = ("sp", "spectral_mup")
+PARAMETRIZATIONS = ("sp", "spectral_mup", "mup", "completep")
+
+
+@dataclass(frozen=True)
+class Parametrization:
+    name: str = "sp"
+    width_mult: float = 1.0  # hidden_size / base hidden size (mup, completep)
+    depth_mult: float = 1.0  # num_hidden_layers / base layers (completep)
+    alpha: float = 1.0  # CompleteP's depth exponent, in [0.5, 1]
+
+    def __post_init__(self) -> None:
+        if self.name not in PARAMETRIZATIONS:
+            raise ValueError(
+                f"parametrization must be one of {PARAMETRIZATIONS}, got {self.name!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One parameter under a parametrization: its init spec and optimizer multipliers."""
+
+    spec: InitSpec
+    lr_scale: float = 1.0
+    eps_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """The forward's constants: on the lm_head's input, the queries, each residual branch."""
+
+    output: float = 1.0
+    attention_q: float = 1.0
+    residual: float = 1.0
+
+
+def as_parametrization(p: str | Parametrization) -> Parametrization:
+    return Parametrization(p) if isinstance(p, str) else p
 
 
 def spectral_std(fan_in: int, fan_out: int) -> float:
@@ -37,21 +86,44 @@ def spectral_lr_scale(fan_in: int, fan_out: int) -> float:
     return fan_out / fan_in
 
 
-def parametrized(spec: InitSpec, name: str, parametrization: str) -> tuple[InitSpec, float]:
-    """(the spec to initialise `name` with, its learning-rate multiplier)."""
-    if parametrization == "sp":
-        return spec, 1.0
-    if parametrization != "spectral_mup":
-        raise ValueError(
-            f"parametrization must be one of {PARAMETRIZATIONS}, got {parametrization!r}"
-        )
+def parametrized(spec: InitSpec, name: str, parametrization: str | Parametrization) -> Rule:
+    """How parameter `name` (whose sp init is `spec`) is made and stepped."""
+    p = as_parametrization(parametrization)
+    if p.name == "sp":
+        return Rule(spec)
+    if p.name == "spectral_mup":
+        return _spectral(spec, name)
+    return _transfer(spec, p)
+
+
+def _spectral(spec: InitSpec, name: str) -> Rule:
     if spec.fan is not None:
         fan_in, fan_out = spec.fan
-        return dataclasses.replace(spec, std=spectral_std(fan_in, fan_out)), spectral_lr_scale(
-            fan_in, fan_out
-        )
+        std = spectral_std(fan_in, fan_out)
+        return Rule(dataclasses.replace(spec, std=std), spectral_lr_scale(fan_in, fan_out))
     if spec.embedding:
-        return dataclasses.replace(spec, std=1.0), 1.0
+        return Rule(dataclasses.replace(spec, std=1.0))
     if spec.std is None or spec.std == 0.0:  # norms (ones), biases (zeros)
-        return spec, 1.0
+        return Rule(spec)
     raise ValueError(f"{name}: spectral µP (model.init_method.use_mup) has no rule for it")
+
+
+def _transfer(spec: InitSpec, p: Parametrization) -> Rule:
+    """µTransfer (mup) and CompleteP: see the module docstring."""
+    m, depth = p.width_mult, p.depth_mult if p.name == "completep" else 1.0
+    alpha = p.alpha if p.name == "completep" else 1.0
+    if spec.fan is not None and not spec.readout:  # a hidden matrix
+        std = spec.std / math.sqrt(m)
+        eps = (1.0 / m) * depth**-alpha if p.name == "completep" else 1.0
+        return Rule(dataclasses.replace(spec, std=std), depth ** (alpha - 1) / m, eps)
+    if spec.std is None or spec.std == 0.0:  # norms, biases
+        return Rule(spec, depth ** (alpha - 1))
+    return Rule(spec)  # the embedding and the readout
+
+
+def multipliers(p: str | Parametrization, head_dim: int) -> Multipliers:
+    p = as_parametrization(p)
+    if p.name not in ("mup", "completep"):
+        return Multipliers()
+    residual = p.depth_mult**-p.alpha if p.name == "completep" else 1.0
+    return Multipliers(1.0 / p.width_mult, 1.0 / math.sqrt(head_dim), residual)

@@ -66,8 +66,16 @@ def to_hf(
     from transformers import GenerationConfig
 
     from nanotron_models.families import family_of
+    from nanotron_train.model_factory import checkpoint_parametrization
 
     config = ckpt.model_config
+    trained = checkpoint_parametrization(ckpt.train_config, config).name
+    if trained in ("mup", "completep"):  # a Hugging Face Llama has no place for them
+        raise ValueError(
+            f"{ckpt.folder}: trained with model.parametrization.name: {trained}, whose forward "
+            "multipliers (readout, attention 1/d, residual branches) a Hugging Face Llama "
+            "does not have; its export would compute other logits"
+        )
     hf_map = family_of(config).hf
     if tok is not None:  # the config's ids where they are the tokenizer's special tokens
         ids, notes = ids_for_export(config, tok)

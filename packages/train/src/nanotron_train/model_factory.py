@@ -12,10 +12,12 @@ then applies every parallel and speed option.
 from __future__ import annotations
 
 from dataclasses import replace
+from inspect import signature
 from typing import Any
 
 from nanotron_models.config import DTYPES
 from nanotron_models.families import family_of
+from nanotron_models.parametrization import Parametrization
 from nanotron_models.stage import ModelStage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.expert_parallel import make_dispatcher
@@ -75,9 +77,44 @@ def build_model(
         scaling_method=model.init_method.scaling_method,
         dtype=DTYPES[model.dtype],
         device=pc.device,
-        # Nanotron's spectral µP; only then passed, so a family without it needs no such option
-        **({"parametrization": "spectral_mup"} if model.init_method.use_mup else {}),
+        # only when not sp, so a family without parametrizations needs no such option
+        **({"parametrization": p} if (p := parametrization_of(model)).name != "sp" else {}),
     )
+
+
+def parametrization_of(model: ModelArgs) -> Parametrization:
+    """Nanotron's `init_method.use_mup` (spectral µP), else `model.parametrization`; a
+    family whose builder takes no `parametrization` has only sp (one line, not a TypeError)."""
+    p, mc = model.parametrization, model.model_config
+    out = (
+        Parametrization("spectral_mup")
+        if model.init_method.use_mup
+        else _relative(p.name, p.base_hidden_size, p.base_num_layers, p.completep_alpha, mc)
+    )
+    family = family_of(mc)
+    if out.name != "sp" and "parametrization" not in signature(family.build_stage).parameters:
+        key = "init_method.use_mup" if model.init_method.use_mup else "parametrization.name"
+        raise ValueError(f"model.{key}: the {family.name} family has only sp (no µP rules)")
+    return out
+
+
+def checkpoint_parametrization(train_config: dict, mc: Any) -> Parametrization:
+    """The parametrization a checkpoint's config.yaml trained with (its forward multipliers
+    are part of the model: inference builds it with them)."""
+    model = train_config.get("model") or {}
+    p = model.get("parametrization") or {}
+    if (model.get("init_method") or {}).get("use_mup"):
+        return Parametrization("spectral_mup")
+    return _relative(p.get("name", "sp"), p.get("base_hidden_size"), p.get("base_num_layers"),
+                     p.get("completep_alpha", 1.0), mc)  # fmt: skip
+
+
+def _relative(name: str, base_w, base_d, alpha: float, mc: Any) -> Parametrization:
+    if name == "sp":  # whatever the family's size fields are
+        return Parametrization()
+    width = mc.hidden_size / (base_w or mc.hidden_size)
+    return Parametrization(name, width, mc.num_hidden_layers / (base_d or mc.num_hidden_layers),
+                           alpha)  # fmt: skip
 
 
 def build_stage_chunks(cfg: Config, pc: ParallelContext) -> list[ModelStage]:

@@ -40,6 +40,7 @@ class Piece:
     value: torch.Tensor  # where the parameter's elements live (ZeRO-3: this rank's shard)
     grad: torch.Tensor  # their reduced gradient (ZeRO-2/3: in this rank's gradient shard)
     lr_scale: float = 1.0  # its learning rate is the schedule's times this (µP: per layer)
+    eps_scale: float = 1.0  # its Adam eps is the configured one times this (CompleteP)
 
 
 def build_pieces(
@@ -59,9 +60,9 @@ def build_pieces(
         decay = not excluded_from_weight_decay(name, exclude_from_decay)
         # set on the parameter when it was built, by its parametrization (nanotron_models)
         scale = float(getattr(o.param, "lr_scale", 1.0))
-        pieces.append(
-            Piece(name, o.param, o.start, o.end, master, is_copy, decay, o.value, o.grad, scale)
-        )
+        eps = float(getattr(o.param, "eps_scale", 1.0))
+        pieces.append(Piece(name, o.param, o.start, o.end, master, is_copy, decay, o.value,
+                            o.grad, scale, eps))  # fmt: skip
     return pieces
 
 
@@ -80,17 +81,19 @@ def optimizer_kwargs(factory) -> dict:
     }
 
 
-def _param_groups(pieces: list[Piece], weight_decay: float) -> list[dict]:
-    """One group per (weight decay, learning-rate multiplier), in first-seen order: the sp
-    groups (decayed, then not) are those of before µP, so the optimizer steps the same."""
-    groups: dict[tuple[bool, float], dict] = {}
+def _param_groups(pieces: list[Piece], weight_decay: float, eps: float) -> list[dict]:
+    """One group per (weight decay, learning-rate and eps multipliers), in first-seen order:
+    the sp groups (decayed, then not) are those of before µP, so the optimizer steps the same."""
+    groups: dict[tuple[bool, float, float], dict] = {}
     for decay in (True, False):
         for pc in pieces:
             if pc.decay == decay:
-                key = (decay, pc.lr_scale)
+                key = (decay, pc.lr_scale, pc.eps_scale)
                 wd = weight_decay if decay else 0.0
                 group = groups.setdefault(key, {"params": [], "weight_decay": wd,
                                                 "lr_scale": pc.lr_scale})  # fmt: skip
+                if pc.eps_scale != 1.0:
+                    group["eps"] = eps * pc.eps_scale
                 group["params"].append(pc.master)
     return list(groups.values()) or [{"params": [], "weight_decay": 0.0, "lr_scale": 1.0}]
 
@@ -113,10 +116,13 @@ class AdamWOnPieces:
         self._settings = {"name": name, "lr": lr, "weight_decay": weight_decay}
         if name != "sgd":
             self._settings.update(betas=list(betas), eps=eps, fused=fused)
-        groups = _param_groups(pieces, weight_decay)
+        groups = _param_groups(pieces, weight_decay, eps)
         scales = {pc.name: pc.lr_scale for pc in pieces if pc.lr_scale != 1.0}
         if scales:  # recorded in checkpoints (µP's per-parameter learning rates)
             self._settings["lr_scales"] = scales
+        eps_scales = {pc.name: pc.eps_scale for pc in pieces if pc.eps_scale != 1.0}
+        if eps_scales:
+            self._settings["eps_scales"] = eps_scales
         # fused (torch_adam_is_fused) rounds differently (~1e-7). Otherwise: on GPUs foreach
         # (a few kernels over all tensors, bitwise the per-tensor loop's result); on the CPU
         # the loop's arithmetic run block by block in cache (blocked_adamw.py).

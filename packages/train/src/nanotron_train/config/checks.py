@@ -117,6 +117,24 @@ CHECKS: tuple[Check, ...] = (
         "model_config.moe_config (the router and the experts)",
     ),
     Check(
+        "model.parametrization.name",
+        lambda c: (
+            c.model.parametrization.name == "sp"
+            or not (
+                c.model.init_method.use_mup or getattr(c.model.model_config, "moe_config", None)
+            )
+        ),
+        "mup and completep: not with model.init_method.use_mup (Nanotron's spectral µP, another "
+        "parametrization) nor with model_config.moe_config (no rule for the experts yet)",
+    ),
+    positive("model.parametrization.base_hidden_size", nullable=True),
+    positive("model.parametrization.base_num_layers", nullable=True),
+    Check(
+        "model.parametrization.completep_alpha",
+        lambda c: 0.5 <= c.model.parametrization.completep_alpha <= 1.0,
+        lambda c: f"must be in [0.5, 1], got {c.model.parametrization.completep_alpha}",
+    ),
+    Check(
         "model.init_method.std",
         lambda c: (
             bool(c.model.init_method.path)

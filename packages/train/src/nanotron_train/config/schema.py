@@ -70,6 +70,18 @@ class InitMethod:
 
 
 @dataclass
+class ParametrizationArgs:
+    """Ours: how initialisation, learning rates and the forward scale with width and depth
+    relative to a base model (nanotron_models/parametrization.py): `sp`, `mup` (µTransfer) or
+    `completep` (µP and CompleteP's depth scaling). Null base sizes: this model's own."""
+
+    name: Literal["sp", "mup", "completep"] = "sp"
+    base_hidden_size: int | None = None
+    base_num_layers: int | None = None
+    completep_alpha: float = 1.0  # CompleteP's depth exponent, in [0.5, 1]
+
+
+@dataclass
 class ModelArgs:
     # The family is the class the YAML names (`is_qwen2_config: true`), else Llama.
     model_config: ModelConfig
@@ -80,6 +92,7 @@ class ModelArgs:
     compile: bool = False  # torch.compile each decoder layer (see parallelize.py)
     # lm_head + cross-entropy chunk by chunk, never the fp32 logits of the whole vocab (ours)
     fused_linear_cross_entropy: bool = True
+    parametrization: ParametrizationArgs = field(default_factory=ParametrizationArgs)
 
 
 @dataclass

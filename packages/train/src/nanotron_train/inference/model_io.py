@@ -110,7 +110,7 @@ def load_model(
 
     Built in ALL_REDUCE mode whatever the training used: the weights do not depend on it.
     """
-    from nanotron_train.model_factory import build_family_stage
+    from nanotron_train.model_factory import build_family_stage, checkpoint_parametrization
 
     dtype = dtype if dtype is not None else DTYPES.get(ckpt.dtype, torch.float32)
     mc = ckpt.model_config
@@ -128,7 +128,10 @@ def load_model(
         tp_mode=TensorParallelLinearMode.ALL_REDUCE,
         dtype=dtype,
         device=device if device is not None else pc.device,
-    )
+        # µP / CompleteP's forward multipliers are part of the model (not sp: only then)
+        **({"parametrization": p} if (p := checkpoint_parametrization(ckpt.train_config, mc)).name
+           != "sp" else {}),
+    )  # fmt: skip
     src = CheckpointSource.open(ckpt.folder, ckpt.metadata)
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied lm_head is the embedding's Parameter
