@@ -67,6 +67,9 @@ def test_assistant_tokens_are_exactly_the_answers(chat):
     # and each answer's tokens are one contiguous run (the header before it is context)
     runs = np.flatnonzero(np.diff(np.asarray(mask, dtype=int)) == 1)
     assert len(runs) == len(answers)
+    # asking for the last answer gives exactly the tokens the answer followed in training
+    prompt = chat.prompt_ids(messages[:-1])
+    assert ids[: len(prompt)] == prompt and all(mask[len(prompt) :]) and not mask[len(prompt) - 1]
 
 
 def test_no_label_on_a_token_that_is_not_the_assistants(chat):

@@ -112,6 +112,15 @@ class ChatFormat:
             done = text
         return [(t, a) for t, a in out if t]
 
+    def prompt_ids(self, messages: Messages) -> list[int]:
+        """Token ids asking for the next answer: the conversation and the generation prompt,
+        tokenized span by span as in training (tokenizing the whole text at once can merge
+        across a span's edge, which the model never saw)."""
+        ids = self.tokenize(messages)[0] if messages else []
+        done = self.render(messages) if messages else ""
+        header = self.render(messages, add_generation_prompt=True)[len(done) :]
+        return ids + self.tokenizer.encode(header)
+
     def tokenize(self, messages: Messages) -> tuple[list[int], list[bool]]:
         """Token ids of the conversation and whether each is the assistant's."""
         ids: list[int] = []
