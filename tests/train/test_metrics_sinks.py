@@ -303,7 +303,7 @@ def test_failing_training_reports_run_end_failed(tmp_path, monkeypatch):
     from tests.train.test_cli import small_config, write
 
     fake = RecordingClient()
-    monkeypatch.setattr("nanotron_train.reporting.metrics.dashboard_client", lambda *a, **k: fake)
+    monkeypatch.setattr("nanotron_train.reporting.metrics.client_from_config", lambda *a, **k: fake)
     real_step = Trainer.train_step
 
     def failing_step(self):
@@ -331,7 +331,7 @@ def test_each_file_record_names_its_run_and_attempt(tmp_path, monkeypatch):
     """A resumed launch appends to the same file: run id and attempt tell its lines apart, and
     the dashboard's replay of that launch reads only the numbers."""
     fake = RecordingClient()
-    monkeypatch.setattr("nanotron_train.reporting.metrics.dashboard_client", lambda *a, **k: fake)
+    monkeypatch.setattr("nanotron_train.reporting.metrics.client_from_config", lambda *a, **k: fake)
     path = tmp_path / "metrics.jsonl"
     run = RunInfo("p", "n", {}, 1, {"dp": 1, "tp": 1, "pp": 1})
     first = MetricsLogger(str(path), run=run, stream=io.StringIO())
