@@ -4,12 +4,13 @@ model in every layout as in one process (lm_loss and grad_norm each step, 1e-5):
 sequence-parallel with the pattern split over the stages, dp=2 x tp=2 ZeRO-3 with recompute,
 dp=2 x pp=2 ZeRO-1 (zbv, the zero-bubble V), cp=2 x tp=2 (the Mamba-2 state and conv halo passed across cp
 ranks, chunks of 8 tokens against a scan chunk of 12); one process's checkpoint resumes at
-tp=2 x pp=2 with the same next step; its command-line run's loss falls; its step has no host
+tp=2 x pp=2 with the same next step; greedy generation at tp=2 x pp=2 equals one process's; its command-line run's loss falls; its step has no host
 sync."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -52,6 +53,7 @@ def hybrid_config(layout: dict) -> dict:
 
 
 def _train(layouts: list[dict]) -> list[dict]:
+    """Each layout's lm_loss and grad_norm curves (inside the caller's shared default group)."""
     import torch.distributed as dist
 
     from nanotron_parallel.context import ParallelContext
@@ -59,25 +61,52 @@ def _train(layouts: list[dict]) -> list[dict]:
 
     torch.set_num_threads(1)
     out = []
-    with shared_default_group():
-        for layout in layouts:
-            cfg = config_from_dict(hybrid_config(copy.deepcopy(layout)), "h", world_size=None)
-            pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                                 cp=layout.get("cp", 1))  # fmt: skip
-            try:
-                records: list[dict] = []
-                Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
-            finally:
-                dist.barrier()
-                pc.destroy()
-            out.append({"loss": [r["lm_loss"] for r in records],
-                        "norm": [r["grad_norm"] for r in records]})  # fmt: skip
+    for layout in layouts:
+        cfg = config_from_dict(hybrid_config(copy.deepcopy(layout)), "h", world_size=None)
+        pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
+                             cp=layout.get("cp", 1))  # fmt: skip
+        try:
+            records: list[dict] = []
+            Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
+        finally:
+            dist.barrier()
+            pc.destroy()
+        out.append({"loss": [r["lm_loss"] for r in records],
+                    "norm": [r["grad_norm"] for r in records]})  # fmt: skip
     return out
+
+
+PROMPTS = [[5, 9, 11, 3, 17], [7, 21]]
+
+
+def _generate(tp: int, pp: int) -> list[list[int]]:
+    """Greedy tokens of a random hybrid (no documents) built at tp x pp: pipelined decoding
+    carries each stage's Mamba-2 states and KV cache."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.inference.decoding import generate
+    from nanotron_train.model_factory import build_family_stage
+
+    cfg = config_from_dict(hybrid_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"}), "h")
+    mc = dataclasses.replace(cfg.model.model_config, _use_doc_masking=False)
+    pc = ParallelContext(tp=tp, pp=pp)
+    try:
+        stage = build_family_stage(mc, pc, 32, pc.pp_rank, pp, seed=3, init_std=0.3)
+        return generate(stage, PROMPTS, max_new_tokens=5).tokens
+    finally:
+        pc.destroy()
+
+
+def _train_and_generate(layouts: list[dict]) -> tuple[list[dict], list[list[int]]]:
+    """One world-4 launch: every layout's curves, then tp=2 x pp=2 decoding."""
+    with shared_default_group():
+        return _train(layouts), _generate(2, 2)
 
 
 def test_hybrid_layouts_equal_one_process(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt}])[0]
+    with shared_default_group():
+        ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt}])[0]
+        one_process_tokens = _generate(1, 1)
     resumed = {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "resume": f"{ckpt}/2"}
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
@@ -85,7 +114,10 @@ def test_hybrid_layouts_equal_one_process(tmp_path):
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "zbv"},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
     ]
-    *results, after = run_distributed(_train, 4, [*layouts, resumed], timeout=300)[0]
+    (*results, after), tokens = run_distributed(
+        _train_and_generate, 4, [*layouts, resumed], timeout=300
+    )[0]
+    assert tokens == one_process_tokens  # greedy decoding at tp=2 x pp=2
     # one process's checkpoint at step 2 resumed at tp=2 x pp=2: its step 3 is the same
     assert abs(after["loss"][0] - ref["loss"][2]) <= 1e-5 * ref["loss"][2], (after, ref)
     assert abs(after["norm"][0] - ref["norm"][2]) <= 1e-5 * ref["norm"][2], (after, ref)
