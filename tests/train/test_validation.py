@@ -247,8 +247,15 @@ def cli_on_rank(args: list[str]) -> tuple[int, str]:
 
 
 def cli_tp2_then_pp2(args: list[str]) -> list[tuple[int, str]]:
-    """One rank of the evaluate command at tp=2, then at pp=2 (--pp 2)."""
-    return [cli_on_rank(args), cli_on_rank([*args, "--pp", "2"])]
+    """One rank of the evaluate command at tp=2, then at pp=2 (--pp 2). The world group is
+    made once here: two commands each making and destroying it would race on the store."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        return [cli_on_rank(args), cli_on_rank([*args, "--pp", "2"])]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_evaluate_cli_tp2_and_pp2_match_training(runs):
