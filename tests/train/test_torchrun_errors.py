@@ -60,3 +60,21 @@ def test_config_error_is_printed_once_whichever_rank_exits_first(tmp_path, make_
         assert line in output
         assert "exitcode: 2" in output  # the first worker to exit exited with the user error
         assert 'File "' + str(REPO / "packages") not in output  # no traceback of ours
+
+
+def test_a_marker_folder_that_is_not_private_never_hides_the_line(tmp_path, monkeypatch, capsys):
+    """The node's marker folder in the temporary folder may have been made first by someone
+    else (or left loose): its markers are then not trusted and the line is printed."""
+    from nanotron_train.launching import first_report
+
+    monkeypatch.setattr(first_report.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    folder = tmp_path / f"nanotron-train-errors-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    (folder / first_report._launch_key()).write_bytes(b"printed")  # a sibling printed it
+    first_report.report_first("error: once")
+    assert capsys.readouterr().err == ""
+    folder.chmod(0o777)  # a loose folder (as another user's would be): its marker may be forged
+    first_report.report_first("error: once")
+    assert capsys.readouterr().err == "error: once\n"

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import os
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -45,13 +46,13 @@ def report_first(line: str) -> None:
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:  # the node's only worker
         _print(line)
         return
-    marker = _marker_path()
     try:
+        marker = _marker_path()
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         _wait_printed(marker, line)
         return
-    except OSError:  # no writable temp folder: better twice than never
+    except OSError:  # no private temp folder: better twice than never
         _print(line)
         return
     _print(line)
@@ -96,6 +97,9 @@ def _marker_path() -> Path:
     uid = os.getuid() if hasattr(os, "getuid") else 0
     folder = Path(tempfile.gettempdir()) / f"nanotron-train-errors-{uid}"
     folder.mkdir(mode=0o700, exist_ok=True)
+    st = folder.lstat()  # another user may have made it first: then it is not ours to trust
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise OSError(f"{folder} is not a private folder of this user")
     now = time.time()
     for old in folder.iterdir():
         with contextlib.suppress(OSError):
