@@ -45,7 +45,7 @@ LAYOUTS = {
     "moe dp4 ep2": dict(family="moe", dp=4, ep=2, m=1),
     "moe dp2 ep2 tp2": dict(family="moe", dp=2, ep=2, tp=2),
 }  # fmt: skip
-LOW, HIGH = 0.90, 1.25
+LOW, HIGH = 0.85, 1.25
 WARM_UP = dict(layers=1, seq=32, dp=4, m=1)
 
 
