@@ -85,16 +85,14 @@ def import_transformers():
     return transformers
 
 
-def config_to_hf(config: LlamaConfig) -> Any:
-    """A `transformers.LlamaConfig` describing the same model (needs the `hf` extra)."""
-    transformers = import_transformers()
+def shared_hf_config_fields(config: LlamaConfig) -> dict[str, Any]:
+    """The keys a Hugging Face Llama-like config (Llama, Mixtral) takes from ours alike."""
     scaling = None
     if config.rope_scaling is not None:
         scaling = {k: v for k, v in config.rope_scaling.items() if k != "type"}
         scaling["rope_type"] = "llama3"
-    return transformers.LlamaConfig(
+    return dict(
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
@@ -109,6 +107,14 @@ def config_to_hf(config: LlamaConfig) -> Any:
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
+    )
+
+
+def config_to_hf(config: LlamaConfig) -> Any:
+    """A `transformers.LlamaConfig` describing the same model (needs the `hf` extra)."""
+    return import_transformers().LlamaConfig(
+        **shared_hf_config_fields(config),
+        intermediate_size=config.intermediate_size,
         attention_bias=config.attention_bias,
         mlp_bias=False,
     )

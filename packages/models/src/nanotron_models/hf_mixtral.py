@@ -24,7 +24,12 @@ from typing import Any
 import torch
 
 from .config import LlamaConfig, ModelConfigError
-from .hf import config_from_hf, hf_state_dict_to_ours_full, import_transformers
+from .hf import (
+    config_from_hf,
+    hf_state_dict_to_ours_full,
+    import_transformers,
+    shared_hf_config_fields,
+)
 from .hf import our_full_state_dict_to_hf as _llama_to_hf
 from .moe.config import MoEConfig
 
@@ -74,28 +79,10 @@ def mixtral_config_to_hf(config: LlamaConfig) -> Any:
     error = _mixtral_error(config)
     if error is not None:
         raise ModelConfigError(f"{error}, so it cannot be written as a Hugging Face Mixtral")
-    transformers, m = import_transformers(), config.moe_config
-    scaling = None
-    if config.rope_scaling is not None:
-        scaling = {k: v for k, v in config.rope_scaling.items() if k != "type"}
-        scaling["rope_type"] = "llama3"
-    return transformers.MixtralConfig(
-        hidden_size=config.hidden_size,
+    m = config.moe_config
+    return import_transformers().MixtralConfig(
+        **shared_hf_config_fields(config),
         intermediate_size=m.moe_intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        vocab_size=config.vocab_size,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=config.tie_word_embeddings,
-        hidden_act=config.hidden_act,
-        initializer_range=config.initializer_range,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
         num_local_experts=m.num_experts,
         num_experts_per_tok=m.top_k,
         router_aux_loss_coef=m.router_aux_loss_coef,
