@@ -3,8 +3,9 @@
 A step's loss is the last stage's, read on the host through a collective over pp and then
 dp x cp, so every rank makes the record of the same steps (rank 0 alone logs it). The loss and
 the gradient norm are the record's only host reads (tests/train/test_step_syncs.py counts
-them), and, for a MoE model, the packed expert statistics (reporting/moe_metrics.py); the
-non-finite check runs on the loss and the norm.
+them), for a MoE model the packed expert statistics (reporting/moe_metrics.py), and on a
+detail step the packed per-layer statistics (reporting/layer_stats.py); the non-finite check
+runs on the loss and the norm.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class StepRecorder:
     """
 
     def __init__(self, model_args, global_batch_size: int, pc, fault, named_params, grads,
-                 moe: MoEMetrics | None = None):  # fmt: skip
+                 moe: MoEMetrics | None = None, layers=None):  # fmt: skip
         self.moe = moe  # expert load metrics (MoE models), one reduction per record
+        self.layers = layers  # per-layer statistics (LayerStats), one reduction per detail step
         self.z_loss_enabled = model_args.model_config.z_loss_enabled
         self.global_batch_size = global_batch_size
         self.pc, self.fault, self.named_params, self.grads = pc, fault, named_params, grads
@@ -87,4 +89,6 @@ class StepRecorder:
             record["z_loss"] = self.global_mean_loss(out.z_loss)  # lm_loss includes it
         if self.moe is not None:  # the same condition on every rank
             record.update(self.moe.collect())
+        if self.layers is not None:  # a detail step's statistics, else nothing
+            record.update(self.layers.collect())
         return self.fault.annotate(record, action)

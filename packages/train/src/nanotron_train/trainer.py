@@ -47,6 +47,7 @@ from nanotron_train.optimizer import build_optimizer
 from nanotron_train.parallelize import parallelize
 from nanotron_train.reporting.benchmark_csv import append_row, benchmark_row
 from nanotron_train.reporting.dashboard_sink import checkpoint_run_id
+from nanotron_train.reporting.layer_stats import build_layer_stats
 from nanotron_train.reporting.log_levels import configure_logging, prints_step_lines
 from nanotron_train.reporting.metrics import MetricsLogger, build_metrics_logger
 from nanotron_train.reporting.moe_metrics import build_moe_metrics
@@ -94,6 +95,8 @@ class Trainer:
             raise
         self._find_step_tensors(model)
         self.moe = build_moe_metrics(cfg, pc, model)  # None without moe_config
+        # per-layer statistics (metrics_logging.log_level 1), None without
+        self.layer_stats = build_layer_stats(cfg, pc, model, self.grads, self.named_params)
         self.records = StepRecorder(
             cfg.model,
             cfg.global_batch_size,
@@ -102,6 +105,7 @@ class Trainer:
             self.named_params,
             self.grads,
             moe=self.moe,
+            layers=self.layer_stats,
         )
         self.profiler = StepProfiler(cfg.profiler, pc.rank)  # profiling.py; no-op without it
         # `train()` sets it: run_end goes out after the process groups are torn down.
@@ -184,6 +188,9 @@ class Trainer:
         # micro-batch's lm loss
         begin_moe_step(self.moe_blocks, len(micro_batches))
         recorder = tm.timeline_recorder(step)  # the pipeline timeline's step, else a no-op
+        detail = self._detail(step)  # per-layer statistics: hooks on this step's blocks only
+        if detail:
+            self.layer_stats.watch()
         with tm.span("pipeline"):
             result = run_pipeline_step(
                 cfg.parallelism.pp_engine,
@@ -194,6 +201,8 @@ class Trainer:
                 track_activations=self.profiler.enabled,
                 recorder=recorder,
             )
+        if detail:
+            self.layer_stats.unwatch()
         with tm.span("dp_wait"):
             self.grads.finish()  # now the dp x cp mean (ZeRO-1 reduce-scatter: own chunks)
             self.tied.sync_gradients(self.grads.tied_grad)  # sum over first & last stage
@@ -202,7 +211,9 @@ class Trainer:
         z_loss = self._take_z_loss(len(micro_batches))
         lr = s.lr_schedule(step)
         action, host_values = "ok", None
-        logged = step % cfg.logging.iteration_step_info_interval == 0
+        logged = step % cfg.logging.iteration_step_info_interval == 0 or detail
+        if detail:  # the weights and gradients before clipping and the step
+            self.layer_stats.before_update()
         if logged or self.fault.nonfinite.policy != "stop":
             host_values = (self.records.global_mean_loss(result.loss_tensor), float(norm))
             action = self.records.check_finite(step, *host_values)  # raises under `stop`
@@ -214,6 +225,8 @@ class Trainer:
                 self.grads.gather_params()  # ZeRO: every rank gets the others' parameters
                 if self.bias_groups is not None:  # sigmoid_bias routers: against the load
                     update_expert_biases(self.moe_blocks, self.bias_groups)
+        if detail:
+            self.layer_stats.after_update()
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
             with self.grads.full_parameters():
                 dense = [(n, p) for n, p in self.named_params if not is_expert_param(p)]
@@ -228,6 +241,10 @@ class Trainer:
         s.consumed_tokens += cfg.global_batch_size * seq
         self.profiler.end_step()
         return StepOutput(step, result.loss_tensor, norm, lr, seq, z_loss, action, host_values)
+
+    def _detail(self, step: int) -> bool:
+        """A step with per-layer statistics (metrics_logging): it is also a logged step."""
+        return self.layer_stats is not None and self.layer_stats.due(step)
 
     def _take_z_loss(self, micro_batches: int) -> torch.Tensor | None:
         """This rank's mean z-loss of the step (on the device), resetting the loss blocks."""
@@ -301,6 +318,7 @@ class Trainer:
         evaluate = due and out.action != "rollback"
         interval = self.cfg.logging.iteration_step_info_interval
         logged = out.step % interval == 0 or out.action != "ok" or evaluate
+        logged = logged or self._detail(out.step)
         if not (logged or every_step):
             return None
         record = self.step_record(out, timer.seconds_per_step())

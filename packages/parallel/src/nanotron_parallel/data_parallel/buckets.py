@@ -307,9 +307,18 @@ class DataParallelGrads:
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """The flat element ranges this rank steps, with their values and gradients."""
+        return self._pieces(self.owned_span)
+
+    def norm_pieces(self, counts: Callable[[nn.Parameter], bool]) -> list[OwnedPiece]:
+        """The pieces whose squares this rank adds to a global norm (`norm_span`, parameters
+        `counts` accepts): summed over the world, each element of the model counts once. For
+        per-parameter statistics (reporting/layer_stats.py), not the step."""
+        return [x for x in self._pieces(self.norm_span) if counts(x.param)]
+
+    def _pieces(self, span_of: Callable[[Bucket], tuple[int, int]]) -> list[OwnedPiece]:
         out: list[OwnedPiece] = []
         for bucket in self.buckets:
-            lo, hi = self.owned_span(bucket)
+            lo, hi = span_of(bucket)
             grads, g0 = self.grad_store(bucket)
             values = self.value_store(bucket)
             for p, off, start, end in bucket.ranges_in(lo, hi):

@@ -80,6 +80,9 @@ class SplitGrads:
     def owned_pieces(self) -> list[OwnedPiece]:
         return self.dense.owned_pieces() + self.experts.owned_pieces()
 
+    def norm_pieces(self, counts: Callable[[nn.Parameter], bool]) -> list[OwnedPiece]:
+        return self.dense.norm_pieces(counts) + self.experts.norm_pieces(counts)
+
     def owned_grads(self) -> list[torch.Tensor]:
         return self.dense.owned_grads() + self.experts.owned_grads()
 

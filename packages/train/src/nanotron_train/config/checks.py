@@ -61,7 +61,6 @@ _ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps", "torch_adam_is_fused")
 _SECTION_FEATURES = {
     "lighteval": "LightEval evaluation runs",
     "s3_upload": "uploading checkpoints to S3",
-    "metrics_logging": "Nanotron's per-layer detailed metrics",
 }
 
 

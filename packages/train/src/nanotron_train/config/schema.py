@@ -211,6 +211,16 @@ class LoggingArgs:
 
 
 @dataclass
+class MetricsLoggingArgs:
+    """Nanotron's `metrics_logging`: log_level 1 adds per-layer statistics (weight norm,
+    gradient norm, update/weight ratio, activation RMS: reporting/layer_stats.py) to the
+    record of every log_detail_interval-th step (such a step is logged); 0 = none."""
+
+    log_level: int = 0
+    log_detail_interval: int = 10
+
+
+@dataclass
 class ProfilerArgs:
     """Nanotron's `profiler` section: torch.profiler over the steps chosen by the schedule
     (skip `wait` steps, `warmup` steps traced but discarded, then `active` steps recorded,
@@ -277,10 +287,10 @@ class Config:
     profiler: ProfilerArgs | None = None  # torch.profiler traces (reporting/profiling.py)
     fault_tolerance: FaultToleranceArgs = field(default_factory=FaultToleranceArgs)
     validation: ValidationArgs | None = None  # held-out evaluation (checks: validation.py)
+    metrics_logging: MetricsLoggingArgs | None = None  # per-layer statistics
     # Nanotron features this project does not have: null, or refused with one line.
     lighteval: dict[str, Any] | None = None
     s3_upload: dict[str, Any] | None = None
-    metrics_logging: dict[str, Any] | None = None
 
     @property
     def global_batch_size(self) -> int:

@@ -1,5 +1,6 @@
 """Checks of the telemetry keys: per-rank stats, stragglers, the pipeline timeline, throughput
-drops and samples at checkpoints. The keys live in the `logging` section (schema.py)."""
+drops and samples at checkpoints (keys of the `logging` section, schema.py), and the
+`metrics_logging` section's per-layer statistics."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def _off_or_interval(key: str) -> Check:
 
 
 TELEMETRY_CHECKS: tuple[Check, ...] = (
+    Check(  # Nanotron's values: 0 basic, 1 full
+        "metrics_logging.log_level",
+        lambda c: c.metrics_logging is None or c.metrics_logging.log_level in (0, 1),
+        lambda c: (
+            f"must be 0 (basic) or 1 (per-layer statistics), got {c.metrics_logging.log_level}"
+        ),
+    ),
+    Check(
+        "metrics_logging.log_detail_interval",
+        lambda c: c.metrics_logging is None or c.metrics_logging.log_detail_interval >= 1,
+        lambda c: f"must be >= 1, got {c.metrics_logging.log_detail_interval}",
+    ),
     _off_or_interval("logging.rank_stats_interval"),
     _off_or_interval("logging.pipeline_timeline_interval"),
     Check(

@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,11 @@ from nanotron_train.reporting.dashboard_sink import (
     launch_command,
     new_run_id,
     resumed_from,
+)
+from nanotron_train.reporting.layer_message import (
+    layer_scalars,
+    layer_stats_message,
+    layer_stats_of,
 )
 from nanotron_train.reporting.step_line import format_line
 
@@ -156,6 +162,8 @@ class MetricsLogger:
             self._file.write("\n")
             self._file.flush()
         scalars = {k: v for k, v in rec.items() if isinstance(v, int | float) and k != "step"}
+        layers = layer_stats_of(rec)  # a detail step's per-layer statistics (metrics_logging)
+        scalars |= layer_scalars(layers) if layers else {}
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, rec["step"])
@@ -163,6 +171,8 @@ class MetricsLogger:
             self._wandb.log(scalars, step=rec["step"])
         if self._dashboard is not None:
             self._dashboard.metrics(rec["step"], rec)  # moe_load too: the load heatmap
+            if layers:  # bounded like telemetry: a heatmap with a gap, not a growing queue
+                self._dashboard.telemetry(layer_stats_message(rec["step"], time.time(), layers))
 
     def checkpoint(self, info: dict[str, Any] | str | os.PathLike) -> None:
         """Call after each save with the checkpoint folder (or a ready message dict)."""
