@@ -186,6 +186,8 @@ FAMILY_MODULES = {
         "mamba2_hybrid", "mamba2_hybrid.config", "mamba2_hybrid.spec", "mamba2_hybrid.layers",
         "mamba2_hybrid.stage", "mamba2_hybrid.hf", "mamba2_hybrid.decode_state",
         "mamba2_hybrid.names",
+        # the Mamba-1 family (Nanotron's example; its stage is the hybrid's with its layers)
+        "mamba1", "mamba1.config", "mamba1.spec", "mamba1.layers", "mamba1.stage", "mamba1.hf",
     )
 }  # fmt: skip
 # Modules that may name a family: its row, and the package's facade (re-exports for scripts).

@@ -45,6 +45,18 @@ from .hf_qwen2 import qwen2_architecture, qwen2_config_from_hf, qwen2_config_to_
 from .hf_qwen2_moe import qwen2_moe_config_from_hf, qwen2_moe_config_to_hf
 from .init import LLAMA_TP_PLAN, InitSpec, llama_init_spec
 from .kv_cache import KVCache
+from .mamba1 import hf as mamba1_hf
+from .mamba1.config import MambaConfig
+from .mamba1.spec import (
+    MAMBA1_TP_PLAN,
+    mamba1_activation_elements,
+    mamba1_block_costs,
+    mamba1_block_names,
+    mamba1_init_spec,
+    mamba1_num_parameters,
+    mamba1_training_flops_per_token,
+)
+from .mamba1.stage import build_mamba1_stage, new_mamba1_decode_state
 from .mamba2_hybrid import hf as mamba2_hf
 from .mamba2_hybrid.config import Mamba2HybridConfig
 from .mamba2_hybrid.decode_state import new_hybrid_decode_state
@@ -314,7 +326,43 @@ MAMBA2 = ModelFamily(
     yaml_marker="is_mamba2_config",
 )
 
-FAMILIES: dict[str, ModelFamily] = {"llama": LLAMA, "qwen2": QWEN2, "mamba2": MAMBA2}
+# Mamba-1 (mamba1/): Nanotron's examples/mamba (is_mamba_config), HF MambaForCausalLM. Nanotron's
+# example names its layers' parameters as ours (its in_proj rows interleave x and z).
+MAMBA1 = ModelFamily(
+    name="mamba1",
+    config_class=MambaConfig,
+    build_stage=build_mamba1_stage,
+    block_names=mamba1_block_names,
+    block_costs=mamba1_block_costs,
+    layer_prefix="decoder.",
+    init_spec=mamba1_init_spec,
+    tp_plan=MAMBA1_TP_PLAN,
+    tied_key=TIED_KEY,
+    num_parameters=mamba1_num_parameters,
+    training_flops_per_token=mamba1_training_flops_per_token,
+    activation_elements=mamba1_activation_elements,
+    arch_keys=(
+        "vocab_size", "d_model", "num_hidden_layers", "ssm_cfg", "rms_norm", "rms_norm_eps",
+        "residual_in_fp32", "tie_word_embeddings",
+    ),  # fmt: skip
+    optional_arch_keys=(),
+    new_decode_state=new_mamba1_decode_state,
+    hf=HFMapping(
+        model_type="mamba",
+        architectures=("MambaForCausalLM",),
+        config_from_hf=mamba1_hf.config_from_hf,
+        config_to_hf=mamba1_hf.config_to_hf,
+        state_dict_from_hf=mamba1_hf.state_dict_from_hf,
+        state_dict_to_hf=mamba1_hf.state_dict_to_hf,
+        architecture_of=mamba1_hf.architecture,
+    ),
+    nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, HYBRID_NANOTRON_LAYER_NAMES),
+    yaml_marker="is_mamba_config",
+)
+
+FAMILIES: dict[str, ModelFamily] = {
+    "llama": LLAMA, "qwen2": QWEN2, "mamba2": MAMBA2, "mamba1": MAMBA1,
+}  # fmt: skip
 
 
 def family(name: str) -> ModelFamily:

@@ -1,7 +1,10 @@
-"""Sequence mixers other than attention (attention lives in attention.py): Mamba-2 (SSD)."""
+"""Sequence mixers other than attention (attention lives in attention.py): Mamba-2 (SSD) and
+Mamba-1 (S6, for Nanotron's Mamba example)."""
 
+from .mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1State, mamba1_dt_init
 from .mamba2 import GatedGroupRMSNorm, Mamba2Dims, Mamba2Mixer, Mamba2State, mamba2_ssm_init
 from .mamba2_tp import MAMBA2_TP_PLAN, conv_channels, in_proj_rows, shard_mamba2, unshard_mamba2
+from .selective_scan import linear_recurrence, selective_scan
 from .ssd_scan import (
     causal_conv,
     combine_segment_states,
@@ -13,6 +16,12 @@ from .ssd_scan import (
 )
 
 __all__ = [
+    "Mamba1Dims",
+    "Mamba1Mixer",
+    "Mamba1State",
+    "linear_recurrence",
+    "mamba1_dt_init",
+    "selective_scan",
     "MAMBA2_TP_PLAN",
     "GatedGroupRMSNorm",
     "Mamba2Dims",
