@@ -1,5 +1,5 @@
 """The telemetry tables: per-rank stats, pipeline timelines, events, samples, labels, stall
-marks and expert load, on db.py's metadata (db_meta.py). New tables, so create_all adds them
+marks, expert load and per-layer statistics, on db.py's metadata (db_meta.py). New tables, so create_all adds them
 to older files; a column added to one of them is a migration (migrations.py)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .db_meta import Int64, metadata
 
 # The tables keyed by run_pk: a deleted run's rows go with it (db.delete_run).
 TELEMETRY_TABLES = (
-    "rank_stats", "timelines", "events", "samples", "run_labels", "run_stall", "moe_load"
+    "rank_stats", "timelines", "events", "samples", "run_labels", "run_stall", "moe_load",
+    "layer_stats",
 )  # fmt: skip
 
 
@@ -51,6 +52,20 @@ moe_load = Table(
     Column("time", Float, nullable=False),
     Column("n", Integer, nullable=False),  # experts
     Column("counts", LargeBinary, nullable=False),  # int64 little-endian, one per expert
+    sqlite_with_rowid=False,
+)
+
+# One row per (run, statistic, detail step): per-layer statistics (layer_store.py).
+layer_stats = Table(
+    "layer_stats",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("stat", String, primary_key=True),
+    Column("step", Int64, primary_key=True),
+    Column("time", Float, nullable=False),
+    Column("n", Integer, nullable=False),  # rows
+    Column("rows", Text, nullable=False),  # JSON list of the row names
+    Column("vals", Text, nullable=False),  # JSON list, one value (or null, NaN) per row
     sqlite_with_rowid=False,
 )
 

@@ -31,6 +31,7 @@ from .fields import (  # noqa: F401 - re-exported: other modules import the limi
     Topology,
     json_depth,
 )
+from .layer_messages import LayerStats
 from .moe_messages import MoELoad
 from .telemetry_messages import Event, PipelineTimeline, RankStats, Samples
 
@@ -116,6 +117,7 @@ AnyMessage = (
     | Event
     | Samples
     | MoELoad
+    | LayerStats
 )
 Message = Annotated[AnyMessage, Field(discriminator="type")]
 _adapter: TypeAdapter[Any] = TypeAdapter(Message)

@@ -17,6 +17,8 @@ import numpy as np
 from sqlalchemy.engine import Connection
 
 from .fields import MAX_RANKS
+from .layer_messages import LayerStats
+from .layer_store import store_layer_stats
 from .moe_messages import MoELoad
 from .moe_store import store_moe_load
 from .store import refusal
@@ -183,6 +185,7 @@ STORE: dict[type, Store] = {
     PipelineTimeline: store_timeline,
     Samples: store_samples,
     MoELoad: store_moe_load,
+    LayerStats: store_layer_stats,
 }
 
 

@@ -205,7 +205,7 @@
   // Live points: appended to the current run's series (EMA continued exactly as the server's).
   function onPoints(msg) {
     if (msg.type === "run_changed") { loadRun(); return; }
-    const live = NTT.onLive[msg.type] || NTM.onLive[msg.type];
+    const live = NTT.onLive[msg.type] || NTM.onLive[msg.type] || NTL.onLive[msg.type];
     if (live) { live(); return; }
     if (msg.type !== "points") return;
     const o = opt();
@@ -383,10 +383,11 @@
     const api = (path) => NT.json("/api/runs/" + encodeURIComponent(runId) + path);
     NTT.init({ runId, state, api, onEvents: () => Object.values(state.charts).forEach((e) => e.plot.redraw()) });
     NTM.init({ runId, state, api });
+    NTL.init({ runId, state, api });
     $("delete").addEventListener("click", deleteRun);
     try { await loadRun(); } catch (e) { $("error").textContent = String(e.message || e); return; }
     await reload();
-    Promise.all([NTT.loadAll(), NTM.load()]).catch((e) => { $("error").textContent = String(e.message || e); });
+    Promise.all([NTT.loadAll(), NTM.load(), NTL.load()]).catch((e) => { $("error").textContent = String(e.message || e); });
     loadCompareChoices();
     NT.live("/ws/runs/" + encodeURIComponent(runId), onPoints, scheduleReload);
   })();
