@@ -13,15 +13,14 @@ from nanotron_models import FAMILIES, LlamaConfig, ModelConfigError, family, fam
 
 
 def test_llama_is_found_by_name_and_by_config() -> None:
-    assert sorted(FAMILIES) == ["llama", "mamba2", "qwen2"]
+    assert sorted(FAMILIES) == ["llama", "mamba1", "mamba2", "qwen2", "qwen3_next"]
     llama = family("llama")
     assert family_of(tiny_config()) is llama
     assert (llama.config_class, llama.tied_key) == (LlamaConfig, "embedding.weight")
     assert (llama.hf.model_type, llama.hf.architectures[0]) == ("llama", "LlamaForCausalLM")
     assert llama.hf.reads("mixtral", None)  # with moe_config, Llama is HF's Mixtral
-    with pytest.raises(
-        ModelConfigError, match=r"model family 'gpt2' is not one of \['llama', 'mamba2', 'qwen2'\]"
-    ):
+    known = r"\['llama', 'mamba1', 'mamba2', 'qwen2', 'qwen3_next'\]"
+    with pytest.raises(ModelConfigError, match=rf"model family 'gpt2' is not one of {known}"):
         family("gpt2")
     with pytest.raises(ModelConfigError, match="no model family has the config class dict"):
         family_of({})

@@ -196,9 +196,24 @@ class Attention(nn.Module):
         q, k, v = self._rotate(qkv, x, position_ids, kv_cache)
         if self.q_multiplier != 1.0:  # µP's q.k / d: the kernels divide by sqrt(d) again
             q = q * self.q_multiplier
+        out = self.attend(q, k, v, kv_cache, key_mask, doc_ids)
+        return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+        key_mask: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Causal attention of q, k, v [s, b, heads, d] -> [s, b, heads, d]: through the cache
+        when decoding, the cp group's keys under context parallel, the layer's mask."""
+        s, device = q.shape[0], q.device
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-        backend = resolve_backend(self.backend, x.device)
+        backend = resolve_backend(self.backend, device)
         mask = self.mask(doc_ids, kv_cache is not None)
         if self.cp_size > 1 and kv_cache is None and key_mask is None:
             kernel = index_kernel(mask, backend, attention)
@@ -208,19 +223,28 @@ class Attention(nn.Module):
             )  # fmt: skip
         elif mask is not None:
             s_k = k.shape[0]
-            k_index = torch.arange(s_k, device=x.device)
+            k_index = torch.arange(s_k, device=device)
             q_index = k_index[s_k - s :]
             whole = kv_cache is None
             out = masked_attention(q, k, v, q_index, k_index, mask, backend, key_mask, whole)
         else:
             out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
-        return self.o_proj(out.reshape(s, b, self.n_heads * self.head_dim))
+        return out
 
     def _rotate(self, qkv, x, position_ids, kv_cache):
         """q, k (rotated, unless a NoPE layer) and v [s, b, heads, d]."""
-        s = qkv.shape[0]
         if not self.use_rope:
             return qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        cos, sin = self.cos_sin(qkv.shape[0], x, position_ids, kv_cache)
+        if torch.compiler.is_compiling() or not self.fused_rotary:  # plain ops
+            # One rotation for q and k together: they are adjacent in the fused projection.
+            qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)
+            q, k = apply_rotary(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
+            return q, k, v
+        return rotate_qkv(qkv, cos, sin, self.n_heads, self.n_kv)
+
+    def cos_sin(self, s: int, x, position_ids, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin broadcasting over [s, b, heads, rotary dims] for this forward's tokens."""
         offset = kv_cache.offset if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(offset, offset + s, device=x.device)
@@ -235,12 +259,7 @@ class Attention(nn.Module):
             length = s * self.cp_size if self.cp_size > 1 else None
             cos, sin = self.rotary.cos_sin(position_ids.transpose(0, 1), x.device, x.dtype, length)
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        if torch.compiler.is_compiling() or not self.fused_rotary:  # plain ops
-            # One rotation for q and k together: they are adjacent in the fused projection.
-            qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)
-            q, k = apply_rotary(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
-            return q, k, v
-        return rotate_qkv(qkv, cos, sin, self.n_heads, self.n_kv)
+        return cos, sin
 
 
 class MLP(nn.Module):

@@ -75,6 +75,19 @@ from .materialise import load_full_tensors, missing_parameters, shard_full_tenso
 from .model import TIED_KEY, build_llama_stage
 from .nanotron_names import LLAMA_NANOTRON_LAYER_NAMES, LLAMA_NANOTRON_TOP_NAMES
 from .qwen2 import Qwen2Config
+from .qwen3_next import hf as qwen3_next_hf
+from .qwen3_next.config import Qwen3NextConfig
+from .qwen3_next.names import QWEN3_NEXT_NANOTRON_LAYER_NAMES
+from .qwen3_next.spec import (
+    QWEN3_NEXT_TP_PLAN,
+    qwen3_next_activation_elements,
+    qwen3_next_block_costs,
+    qwen3_next_block_names,
+    qwen3_next_init_spec,
+    qwen3_next_num_parameters,
+    qwen3_next_training_flops_per_token,
+)
+from .qwen3_next.stage import build_qwen3_next_stage, new_qwen3_next_decode_state
 from .tp_plan import TPPlan
 
 
@@ -360,8 +373,66 @@ MAMBA1 = ModelFamily(
     yaml_marker="is_mamba_config",
 )
 
+# Qwen3-Next (qwen3_next/): Gated DeltaNet (G) and gated full-attention (*) layers, each with
+# a mixture of experts (E) or a dense MLP (-), as Qwen3NextForCausalLM.
+QWEN3_NEXT = ModelFamily(
+    name="qwen3_next",
+    config_class=Qwen3NextConfig,
+    build_stage=build_qwen3_next_stage,
+    block_names=qwen3_next_block_names,
+    block_costs=qwen3_next_block_costs,
+    layer_prefix="decoder.",
+    init_spec=qwen3_next_init_spec,
+    tp_plan=QWEN3_NEXT_TP_PLAN,
+    tied_key=TIED_KEY,
+    num_parameters=qwen3_next_num_parameters,
+    training_flops_per_token=qwen3_next_training_flops_per_token,
+    activation_elements=qwen3_next_activation_elements,
+    arch_keys=(
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_theta",
+        "partial_rotary_factor",
+        "attention_bias",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "decoder_sparse_step",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "num_experts_per_tok",
+        "num_experts",
+        "norm_topk_prob",
+        "mlp_only_layers",
+        "layer_types",
+    ),  # fmt: skip
+    optional_arch_keys=(),
+    new_decode_state=new_qwen3_next_decode_state,
+    hf=HFMapping(
+        model_type="qwen3_next",
+        architectures=("Qwen3NextForCausalLM",),
+        config_from_hf=qwen3_next_hf.config_from_hf,
+        config_to_hf=qwen3_next_hf.config_to_hf,
+        state_dict_from_hf=qwen3_next_hf.state_dict_from_hf,
+        state_dict_to_hf=qwen3_next_hf.state_dict_to_hf,
+        architecture_of=qwen3_next_hf.architecture,
+    ),
+    nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, QWEN3_NEXT_NANOTRON_LAYER_NAMES),
+    yaml_marker="is_qwen3_next_config",
+)
+
 FAMILIES: dict[str, ModelFamily] = {
     "llama": LLAMA, "qwen2": QWEN2, "mamba2": MAMBA2, "mamba1": MAMBA1,
+    "qwen3_next": QWEN3_NEXT,
 }  # fmt: skip
 
 
