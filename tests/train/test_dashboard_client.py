@@ -293,3 +293,30 @@ def test_refused_messages_are_logged_once_and_never_block(live_dashboard, tmp_pa
     assert len(lines) == 1 and "at most 200 characters" in lines[0].getMessage()
     run = live_dashboard.get("/api/runs/refused-1")
     assert run["step"] == 21 and run["metric_names"] == ["lm_loss"]
+
+
+def test_layer_stats_reach_the_metrics_file_and_the_dashboard(live_dashboard, tmp_path):
+    """A detail step's record (metrics_logging): the file keeps the nested statistics, the
+    dashboard stores them per statistic, a NaN kept."""
+    from nanotron_train.reporting.metrics import MetricsLogger, RunInfo
+
+    stats = {
+        "grad_norm": {"embedding.weight": 0.5, "decoder.0.mlp.down.weight": float("nan")},
+        "act_rms": {"embedding": 0.25, "decoder.0": 1.5},
+    }
+    mf = tmp_path / "metrics.jsonl"
+    run = RunInfo(project="tests", name="layers", config={}, world_size=1, topology={})
+    logger = MetricsLogger(str(mf), stream=None, dashboard_url=live_dashboard.url, run=run,
+                           run_id="layers-1")  # fmt: skip
+    logger.log({**record(10), "layer_stats": stats})
+    logger.close()
+    kept = json.loads(mf.read_text().splitlines()[0])["layer_stats"]
+    assert kept["act_rms"] == stats["act_rms"] and math.isnan(
+        kept["grad_norm"]["decoder.0.mlp.down.weight"]
+    )
+    h = live_dashboard.get("/api/runs/layers-1/layer_stats")
+    assert h["stats"] == ["act_rms", "grad_norm"] and h["steps"] == [10]
+    rows = ["embedding.weight", "decoder.0.mlp.down.weight", "embedding", "decoder.0"]
+    assert h["rows"] == rows and h["values"] == [[0.5, "NaN", None, None]]
+    a = live_dashboard.get("/api/runs/layers-1/layer_stats?stat=act_rms")
+    assert a["values"] == [[None, None, 0.25, 1.5]]
