@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 LAYER_KEY = "layer_stats"
+MAX_ROWS = 4096  # the dashboard's bound on one message's rows (layer_messages.py)
 
 
 def layer_stats_of(record: dict[str, Any]) -> dict[str, dict[str, float]] | None:
@@ -31,10 +32,9 @@ def layer_scalars(stats: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def layer_stats_message(step: int, time_s: float, stats: dict[str, dict[str, float]]) -> dict:
     """The dashboard's `layer_stats` message: every row once, each statistic's values in the
-    rows' order (None where it has none; a non-finite value as the string JSON allows)."""
-    rows: list[str] = []
-    for values in stats.values():
-        rows += [r for r in values if r not in rows]
+    rows' order (None where it has none; a non-finite value as the string JSON allows). A
+    model with more than MAX_ROWS rows sends its first MAX_ROWS (the metrics file has all)."""
+    rows = list(dict.fromkeys(r for values in stats.values() for r in values))[:MAX_ROWS]
     return {
         "type": "layer_stats",
         "step": int(step),
