@@ -1,6 +1,16 @@
-"""Sequence mixers other than attention (attention lives in attention.py): Mamba-2 (SSD) and
-Mamba-1 (S6, for Nanotron's Mamba example)."""
+"""Sequence mixers other than attention (attention lives in attention.py): Mamba-2 (SSD),
+Mamba-1 (S6, for Nanotron's Mamba example) and Gated DeltaNet (Qwen3-Next's linear attention;
+its context parallel in gated_deltanet_cp.py, as Mamba-2's in mamba2_cp.py)."""
 
+from .gated_deltanet import (
+    GatedDeltaNetDims,
+    GatedDeltaNetMixer,
+    GatedDeltaNetState,
+    GatedRMSNorm,
+    gated_deltanet_init,
+)
+from .gated_deltanet_tp import GATED_DELTANET_TP_PLAN, shard_gated_deltanet, unshard_gated_deltanet
+from .gdn_scan import combine_affine_states, gated_delta_rule, gated_delta_rule_affine
 from .mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1State, mamba1_dt_init
 from .mamba2 import GatedGroupRMSNorm, Mamba2Dims, Mamba2Mixer, Mamba2State, mamba2_ssm_init
 from .mamba2_tp import MAMBA2_TP_PLAN, conv_channels, in_proj_rows, shard_mamba2, unshard_mamba2
@@ -16,6 +26,17 @@ from .ssd_scan import (
 )
 
 __all__ = [
+    "GATED_DELTANET_TP_PLAN",
+    "GatedDeltaNetDims",
+    "GatedDeltaNetMixer",
+    "GatedDeltaNetState",
+    "GatedRMSNorm",
+    "combine_affine_states",
+    "gated_delta_rule",
+    "gated_delta_rule_affine",
+    "gated_deltanet_init",
+    "shard_gated_deltanet",
+    "unshard_gated_deltanet",
     "Mamba1Dims",
     "Mamba1Mixer",
     "Mamba1State",

@@ -7,8 +7,9 @@ head 0, then of key head 1, ...): a rank's rows are ONE contiguous block of each
 column-parallel split. The conv's channels are [q | k | v] of all heads: a rank keeps its
 slice of each section, so its local conv has the same layout at the local sizes
 (`GatedDeltaNetDims.tp_local`). A_log and dt_bias split by value head; the gated norm's weight
-[d_v] is shared by the heads, so every rank holds all of it; out_proj is row-parallel (its
-input columns split by value head; no bias).
+[d_v] is shared by the heads, so every rank holds all of it and its gradient is the SUM of the
+tp ranks' (each sees only its heads: reduce it over tp, as a sequence-parallel norm's);
+out_proj is row-parallel (its input columns split by value head; no bias).
 
 `GATED_DELTANET_TP_PLAN` says, per parameter, the dimension split and the full indices a rank
 keeps: building (shard_gated_deltanet), gathering (unshard_gated_deltanet) and initialisation
