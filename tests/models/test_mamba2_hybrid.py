@@ -55,7 +55,10 @@ def test_packed_documents_equal_each_document_alone(pc1):
         ({"num_heads": 6, "n_groups": 2, "head_dim": 16, "expand": 3}, 4, "num_heads (6) must be divisible by tp (4)"),
         ({"n_groups": 1}, 2, "n_groups (1) must be divisible by tp (2)"),
         ({"num_heads": 4, "n_groups": 8, "head_dim": 16}, 1, "num_heads (4) must be a multiple of n_groups (8)"),
-        ({"hybrid_override_pattern": "M*EM"}, 1, "hybrid_override_pattern: E"),
+        ({"hybrid_override_pattern": "M*EM", "n_group": 3}, 1, "model_config.n_group (3) must divide n_routed_experts (8)"),
+        ({"hybrid_override_pattern": "M*EM", "moe_latent_size": 8}, 1, "model_config.moe_latent_size:"),
+        ({"hybrid_override_pattern": "M*EM", "num_experts_per_tok": 9}, 1, "model_config.num_experts_per_tok (9) is more than"),
+        ({"hybrid_override_pattern": "M*EM", "n_routed_experts": 0}, 1, "model_config.n_routed_experts must be a positive integer"),
         ({"hybrid_override_pattern": "M*M"}, 1, "hybrid_override_pattern has 3 letters"),
     ],
 )  # fmt: skip

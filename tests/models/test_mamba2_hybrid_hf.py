@@ -1,8 +1,10 @@
 """The Mamba-2 / hybrid family against Hugging Face: locally built random Mamba2ForCausalLM and
-NemotronHForCausalLM (pattern M*-M-*M: Mamba-2, attention, MLP), their A_log, D, dt_bias and
-norms randomised, give our logits within 1e-5 (relative) after import, the state dicts round
--trip exactly, and greedy generation through our `generate` (conv + SSM state, KV cache for
-the attention layers) equals transformers'."""
+NemotronHForCausalLM (pattern M*-ME*M: Mamba-2, attention, MLP, experts with Nemotron-H's
+grouped sigmoid router, its score-correction bias and routed scaling), their A_log, D, dt_bias,
+norms and router bias randomised, give our logits within 1e-5 (relative) after import, the
+state dicts and configs round-trip exactly (experts written per expert, the Hub's layout), and
+greedy generation through our `generate` (conv + SSM state, KV cache for the attention layers)
+equals transformers'."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from nanotron_models.families import family, family_of_hf, load_full_state_dict  # noqa: E402
 
 VOCAB = 96
-PATTERN = "M*-M-*M"
+PATTERN = "M*-ME*M"
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -37,6 +39,9 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.5 + u)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # steers the choice: spread it
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.2)
 
 
 def _mamba2():
@@ -53,7 +58,9 @@ def _nemotron_h():
         vocab_size=VOCAB, hidden_size=32, hybrid_override_pattern=PATTERN, mamba_num_heads=8,
         mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=8, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=48, max_position_embeddings=128,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
     )  # fmt: skip
     cfg._attn_implementation = "eager"
     return transformers.NemotronHForCausalLM(cfg)
@@ -88,11 +95,26 @@ def test_state_dicts_round_trip_exactly(pair):
     row = family("mamba2")
     # the files' names (save_pretrained writes NemotronH's `model.` as `backbone.`)
     hf_sd = {k.replace("model.", "backbone.", 1): v for k, v in hf.state_dict().items()}
+    hf_sd = _per_expert(hf_sd)
     back = row.hf.state_dict_to_hf(row.hf.state_dict_from_hf(hf.state_dict(), config), config)
     assert sorted(back) == sorted(hf_sd)
     assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
+    ours, from_hub = (row.hf.state_dict_from_hf(sd, config) for sd in (hf.state_dict(), back))
+    assert all(torch.equal(from_hub[k], v) for k, v in ours.items())  # per-expert names read
     again = row.hf.config_from_hf(row.hf.config_to_hf(config))
     assert again == config
+
+
+def _per_expert(sd: dict) -> dict:
+    """transformers 5's fused expert tensors [E, out, in] under the Hub's per-expert names."""
+    out = {}
+    for key, value in sd.items():
+        if key.endswith(("experts.up_proj", "experts.down_proj")):
+            base, proj = key.rsplit(".", 1)
+            out.update({f"{base}.{j}.{proj}.weight": w for j, w in enumerate(value)})
+        else:
+            out[key] = value
+    return out
 
 
 def test_greedy_generation_equals_transformers(pair):

@@ -1,9 +1,11 @@
-"""The Mamba-2 hybrid (configs/tiny-hybrid-cpu.yaml: pattern M*-M, document masking on the
-packed synthetic documents, a chunk size that does not divide the sequence) trains the same
-model in every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2
-sequence-parallel with the pattern split over the stages, dp=2 x tp=2 ZeRO-3 with recompute,
-dp=2 x pp=2 ZeRO-1 (zbv, the zero-bubble V), cp=2 x tp=2 (the Mamba-2 state and conv halo passed across cp
-ranks, chunks of 8 tokens against a scan chunk of 12); one process's checkpoint resumes at
+"""The Mamba-2 hybrid (configs/tiny-hybrid-cpu.yaml with an `E` layer added: pattern M*-ME,
+Nemotron-H's experts with a grouped sigmoid router; document masking on the packed synthetic
+documents, a chunk size that does not divide the sequence) trains the same model in every
+layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2
+sequence-parallel with the pattern split over the stages, dp=2 x tp=2 x ep=2 ZeRO-3 with
+recompute (the experts split over ep), dp=2 x pp=2 ZeRO-1 (zbv, the zero-bubble V), cp=2 x tp=2
+and cp=4 (the Mamba-2 state and conv halo passed across cp ranks, chunks of 8 and 4 tokens
+against a scan chunk of 12); one process's checkpoint resumes at
 tp=2 x pp=2 with the same next step; greedy generation at tp=2 x pp=2 equals one process's; its command-line run's loss falls; its step has no host
 sync."""
 
@@ -34,6 +36,11 @@ def hybrid_config(layout: dict) -> dict:
     data = yaml.safe_load(HYBRID.read_text())
     data["model"]["model_config"].update(chunk_size=12, hidden_size=32, num_heads=4, n_groups=2,
                                          state_size=8, intermediate_size=64)  # fmt: skip
+    data["model"]["model_config"].update(
+        hybrid_override_pattern="M*-ME", num_hidden_layers=5, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+        n_group=2, topk_group=1, routed_scaling_factor=1.5,
+    )  # fmt: skip
     data["tokens"].update(sequence_length=32, micro_batch_size=2, train_steps=STEPS,
                           batch_accumulation_per_replica=2 // layout["dp"])  # fmt: skip
     data["checkpoints"]["checkpoints_path"] = None
@@ -44,6 +51,7 @@ def hybrid_config(layout: dict) -> dict:
         pp_engine=layout.get("engine", "1f1b"), recompute_layer=layout.get("recompute", False)
     )
     par["context_parallel_size"] = layout.get("cp", 1)
+    par["expert_parallel_size"] = layout.get("ep", 1)
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
     if "save" in layout:  # a checkpoint at step 2
         data["checkpoints"].update(checkpoints_path=layout["save"], checkpoint_interval=2)
@@ -64,7 +72,7 @@ def _train(layouts: list[dict]) -> list[dict]:
     for layout in layouts:
         cfg = config_from_dict(hybrid_config(copy.deepcopy(layout)), "h", world_size=None)
         pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                             cp=layout.get("cp", 1))  # fmt: skip
+                             cp=layout.get("cp", 1), ep=layout.get("ep", 1))  # fmt: skip
         try:
             records: list[dict] = []
             Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
@@ -110,9 +118,10 @@ def test_hybrid_layouts_equal_one_process(tmp_path):
     resumed = {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "resume": f"{ckpt}/2"}
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
-        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 3, "recompute": True},
+        {"dp": 2, "tp": 2, "pp": 1, "ep": 2, "mode": "ALL_REDUCE", "zero": 3, "recompute": True},
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "zbv"},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
+        {"dp": 1, "tp": 1, "pp": 1, "cp": 4, "mode": "ALL_REDUCE"},
     ]
     (*results, after), tokens = run_distributed(
         _train_and_generate, 4, [*layouts, resumed], timeout=300
@@ -147,11 +156,13 @@ def test_hybrid_config_trains_from_the_command_line(tmp_path):
 
 
 def test_hybrid_step_has_no_host_sync():
-    """Document resets, the chunked scan and the masked attention add no host read to a
-    training step (the reset mask is made on the device from the document ids)."""
+    """Document resets, the chunked scan, the masked attention and the experts add no host
+    read to a training step (the reset mask is made on the device from the document ids); the
+    only reads are torch's CPU grouped matmul's offsets (on the device under CUDA) and the
+    optimizer's step counters, both on the host."""
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.trainer import Trainer
-    from tests.train.test_step_syncs import SYNC_OPS, _events
+    from tests.train.test_moe_train import _host_reads
 
     torch.set_num_threads(1)
     raw = hybrid_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"})
@@ -161,8 +172,9 @@ def test_hybrid_step_has_no_host_sync():
     try:
         trainer = Trainer(cfg, pc, stream=io.StringIO())
         trainer.train_step()
-        step, _ = _events(trainer.train_step)
+        reads = _host_reads(trainer.train_step)
         trainer.close()
     finally:
         pc.destroy()
-    assert {op: step.get(op, 0) for op in SYNC_OPS} == dict.fromkeys(SYNC_OPS, 0), step
+    assert (reads["sync"], reads["split_sizes"]) == (0, 0), reads
+    assert reads["grouped_mm"] > 0  # the E layer ran its grouped matmuls

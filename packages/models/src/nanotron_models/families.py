@@ -286,7 +286,7 @@ QWEN2 = dataclasses.replace(
 )
 
 # Mamba-2 and its hybrids (mamba2_hybrid/): HF Mamba2ForCausalLM, and Nemotron-H's layer
-# pattern (M Mamba-2, * attention, - MLP) as NemotronHForCausalLM.
+# pattern (M Mamba-2, * attention, - MLP, E experts) as NemotronHForCausalLM.
 MAMBA2 = ModelFamily(
     name="mamba2",
     config_class=Mamba2HybridConfig,
@@ -322,6 +322,14 @@ MAMBA2 = ModelFamily(
         "intermediate_size",
         "mlp_hidden_act",
         "mlp_bias",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "routed_scaling_factor",
     ),  # fmt: skip
     optional_arch_keys=(),
     new_decode_state=new_hybrid_decode_state,

@@ -117,7 +117,8 @@ def shard_full_tensors(
 def load_full_tensors(stage: nn.Module, full_sd: dict[str, torch.Tensor], init_spec) -> None:
     """Copy full tensors (our global names, vocab unpadded or padded) into this rank's shards
     of `stage`'s parameters (cut as `init_spec`, the family's, says; an expert tensor's local
-    experts); every parameter of the stage must be in `full_sd` (`missing_parameters`)."""
+    experts); every parameter of the stage must be in `full_sd` (`missing_parameters`). A
+    buffer `full_sd` holds (a sigmoid router's expert bias, replicated) is copied too."""
     own = dict(stage.named_parameters(remove_duplicate=False))
     pc = stage.pc
     shards = shard_full_tensors(
@@ -128,6 +129,9 @@ def load_full_tensors(stage: nn.Module, full_sd: dict[str, torch.Tensor], init_s
         if experts is not None:  # full over every expert: this rank's ones
             shard = shard.narrow(0, experts.first_local_expert, experts.num_local_experts)
         param.copy_(shard.to(param.dtype))
+    for name, buffer in stage.named_buffers():
+        if name in full_sd:
+            buffer.copy_(full_sd[name].to(buffer.dtype))
 
 
 def missing_parameters(stage: nn.Module, full_sd: dict[str, torch.Tensor]) -> list[str]:

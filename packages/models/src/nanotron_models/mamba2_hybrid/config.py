@@ -4,8 +4,9 @@ layers and `NemotronHConfig`'s `hybrid_override_pattern` for hybrids.
 Each letter of the pattern is one residual layer (a norm and one mixer), Megatron's and
 Nemotron-H's notation: `M` Mamba-2 (mixers/mamba2.py), `*` attention (our GQA attention,
 without rotary embeddings as in Nemotron-H; document masks), `-` MLP (Nemotron-H's
-non-gated up/down with relu2). `E` (Nemotron-H's mixture of experts) is refused in one line:
-not built yet. No pattern: every layer is `M` (Hugging Face's `Mamba2ForCausalLM`).
+non-gated up/down with relu2), `E` Nemotron-H's mixture of experts (our moe/ block: a sigmoid
+router with its score-correction bias and group limit, relu2 experts, an ungated relu2 shared
+expert; NemotronHConfig's keys). No pattern: every layer is `M` (`Mamba2ForCausalLM`).
 
 `head_dim` is the Mamba-2 head size (HF's name); the attention's is `attention_head_dim`.
 `is_mamba2_config: true` names the family in a YAML.
@@ -19,9 +20,13 @@ from typing import Any
 
 from ..config import DecoderConfig, ModelCheck
 from ..mixers import Mamba2Dims
+from ..moe.config import MoEConfig, MoEVariant, moe_config_error
 
 LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "experts"}
-BUILT = "M*-"  # the letters built today
+MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "moe_shared_expert_intermediate_size", "n_group", "topk_group", "norm_topk_prob",
+            "routed_scaling_factor", "moe_latent_size", "router_bias_update_rate",
+            "router_aux_loss_coef", "router_z_loss_coef", "token_dispatcher_type")  # fmt: skip
 _MC = "model_config"
 
 
@@ -64,6 +69,24 @@ class Mamba2HybridConfig(DecoderConfig):
     intermediate_size: int = 4 * 4096
     mlp_hidden_act: str = "relu2"
     mlp_bias: bool = False
+    # the `E` layers (NemotronHConfig's keys and defaults; the shared expert's linears take
+    # mlp_bias as HF's)
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    moe_latent_size: int | None = None  # a latent projection: not built (non-null is refused)
+    # ... and ours (moe/config.py's meanings): the score-correction bias's update per step
+    # (DeepSeek-V3's auxiliary-loss-free balancing, Megatron's moe_router_bias_update_rate),
+    # the balance losses (off: Nemotron-H has none), the dispatcher under expert parallel
+    router_bias_update_rate: float = 0.001
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    token_dispatcher_type: str = "alltoall"
     # the rest, as every family
     initializer_range: float = 0.1
     max_position_embeddings: int = 4096  # generation's limit (Mamba-2 itself has none)
@@ -86,8 +109,13 @@ class Mamba2HybridConfig(DecoderConfig):
         return MAMBA2_CHECKS
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields; the `E` keys only with an `E` layer (a checkpoint or an HF model
+        without experts matches whatever they say)."""
         d = super().to_dict()
         d["time_step_limit"] = list(self.time_step_limit)
+        if "E" not in self.pattern:
+            for key in MOE_KEYS:
+                d.pop(key)
         return d
 
     # ---- the layers ----
@@ -98,6 +126,27 @@ class Mamba2HybridConfig(DecoderConfig):
     def layer_kind(self, layer: int) -> str:
         """'M', '*', '-' or 'E' for layer `layer` (0-based)."""
         return self.pattern[layer]
+
+    @property
+    def moe_config(self) -> MoEConfig | None:
+        """The `E` layers as our MoE block and the trainer read them (None: no `E`)."""
+        layers = [i for i, k in enumerate(self.pattern) if k == "E"]
+        if not layers:
+            return None
+        return MoEConfig(
+            num_experts=self.n_routed_experts, top_k=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            router_aux_loss_coef=self.router_aux_loss_coef, layers=layers,
+            enable_shared_expert=True, token_dispatcher_type=self.token_dispatcher_type,
+            router="sigmoid_bias", norm_topk_prob=self.norm_topk_prob,
+            router_z_loss_coef=self.router_z_loss_coef,
+            router_bias_update_rate=self.router_bias_update_rate,
+        )  # fmt: skip
+
+    @property
+    def moe_variant(self) -> MoEVariant:
+        return MoEVariant(self.n_group, self.topk_group, self.routed_scaling_factor, "relu2")
 
     @property
     def mamba_dims(self) -> Mamba2Dims:
@@ -172,6 +221,39 @@ def _token_ok(c: Mamba2HybridConfig, name: str) -> bool:
     return value is None or (isinstance(value, int) and 0 <= value < c.vocab_size)
 
 
+def _moe_error(c: Mamba2HybridConfig) -> str | None:
+    """The first refused `E` key, named as the YAML names it (NemotronHConfig's keys)."""
+    m = c.moe_config
+    if m is None:
+        return None
+    if c.moe_latent_size is not None:
+        return f"{_MC}.moe_latent_size: the latent projection is not supported (null)"
+    for name in ("n_group", "topk_group", "moe_shared_expert_intermediate_size"):
+        if not _int(getattr(c, name)):
+            return f"{_MC}.{name} must be a positive integer, got {getattr(c, name)!r}"
+    e, g = c.n_routed_experts, c.n_group
+    if _int(e) and (e % g or c.topk_group > g):
+        return (f"{_MC}.n_group ({g}) must divide n_routed_experts ({e}) and be at least "
+                f"topk_group ({c.topk_group})")  # fmt: skip
+    if _int(e) and c.num_experts_per_tok > c.topk_group * (e // g):
+        return (f"{_MC}.num_experts_per_tok ({c.num_experts_per_tok}) is more than the experts "
+                f"of topk_group groups ({c.topk_group * (e // g)})")  # fmt: skip
+    if not isinstance(c.routed_scaling_factor, (int, float)) or c.routed_scaling_factor <= 0:
+        return f"{_MC}.routed_scaling_factor must be a positive number"
+    names = {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+             "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}  # fmt: skip
+    error = moe_config_error(m, c.num_hidden_layers)
+    if error is None:
+        return None
+    key = error.split(" ", 1)[0].rsplit(".", 1)[-1]
+    return f"{_MC}.{names.get(key, key)} {error.split(' ', 1)[1]}"
+
+
+MOE_CHECKS = (
+    _row(lambda c, tp: _moe_error(c) is None, lambda c, tp: _moe_error(c)),
+)  # fmt: skip
+
+
 # Rows run in order (a row may assume those above passed); each names its key.
 MAMBA2_CHECKS: tuple[ModelCheck, ...] = (
     *_ints("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim",
@@ -182,9 +264,6 @@ MAMBA2_CHECKS: tuple[ModelCheck, ...] = (
     _row(lambda c, tp: len(c.pattern) == c.num_hidden_layers,
          lambda c, tp: f"{_MC}.hybrid_override_pattern has {len(c.pattern)} letters but "
                        f"num_hidden_layers is {c.num_hidden_layers}"),
-    _row(lambda c, tp: set(c.pattern) <= set(BUILT),
-         lambda c, tp: f"{_MC}.hybrid_override_pattern: E (Nemotron-H's mixture of experts) is "
-                       "not supported yet; use M, * and -"),
     _row(lambda c, tp: c.num_heads % c.n_groups == 0,
          lambda c, tp: f"{_MC}.num_heads ({c.num_heads}) must be a multiple of n_groups "
                        f"({c.n_groups})"),
@@ -216,6 +295,7 @@ MAMBA2_CHECKS: tuple[ModelCheck, ...] = (
     _row(lambda c, tp: c.mlp_hidden_act == "relu2",
          lambda c, tp: f"{_MC}.mlp_hidden_act must be 'relu2' (Nemotron-H's MLP), got "
                        f"{c.mlp_hidden_act!r}"),
+    *MOE_CHECKS,
     _row(lambda c, tp: c.attn_backend in ("auto", "sdpa", "flash_attn", "flex"),
          lambda c, tp: f"{_MC}.attn_backend {c.attn_backend!r} is not auto, sdpa, flash_attn or flex"),
     _row(lambda c, tp: c.initializer_range > 0,

@@ -4,7 +4,10 @@ pattern: every layer Mamba-2) and `NemotronHForCausalLM` (a `hybrid_override_pat
 Names: HF's mixer names are ours (`backbone.layers.{i}.mixer.*` <-> `decoder.{i}.mixer.*`)
 but for attention's q/k/v (fused into our `qkv`) and the MLP's `up_proj`/`down_proj`
 (`up`/`down`). Nemotron-H's Mamba-2 clamps dt from below at `time_step_min`: our
-`time_step_limit` (time_step_min, inf). HF Mamba2's `residual_in_fp32` (the default) is read as
+`time_step_limit` (time_step_min, inf). An `E` layer's router is HF's `gate` (its
+`e_score_correction_bias` our `router.expert_bias`), its shared expert `shared_experts`; the
+experts are written per expert as the Hub stores them (`experts.{j}.up_proj.weight`, which
+transformers 5 fuses on load) and read either way. HF Mamba2's `residual_in_fp32` (the default) is read as
 false: the same model in float32, the residual stream in model.dtype otherwise.
 """
 
@@ -54,6 +57,12 @@ def _pattern(hf: Any) -> str:
     return "".join(_LAYER_TYPES.get(k, "?") for k in kinds)
 
 
+# NemotronHConfig's `E` keys, ours alike (NemotronHConfig.attribute_map: num_local_experts)
+_MOE = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size", "n_group", "topk_group", "norm_topk_prob",
+        "routed_scaling_factor", "moe_latent_size")  # fmt: skip
+
+
 def _ids(value: Any) -> Any:
     return value[0] if isinstance(value, (list, tuple)) else value
 
@@ -72,6 +81,9 @@ def config_from_hf(hf: Any) -> Mamba2HybridConfig:
             raise ModelConfigError("NemotronH: mamba_num_heads * mamba_head_dim must be a multiple "
                                    "of hidden_size, and mlp_hidden_act relu2")  # fmt: skip
         pattern = _pattern(hf)
+        kw.update(
+            {k: _get(hf, k) for k in _MOE if _get(hf, k) is not None or k == "moe_latent_size"}
+        )
         return Mamba2HybridConfig(
             **kw, num_hidden_layers=len(pattern), hybrid_override_pattern=pattern,
             num_heads=heads, head_dim=head_dim, state_size=_get(hf, "ssm_state_size"),
@@ -116,6 +128,7 @@ def config_to_hf(c: Mamba2HybridConfig) -> Any:
         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
         head_dim=c.attn_head_dim, intermediate_size=c.intermediate_size, mlp_hidden_act="relu2",
         mlp_bias=c.mlp_bias, max_position_embeddings=c.max_position_embeddings,
+        **{k: getattr(c, k) for k in _MOE},
     )  # fmt: skip
 
 
@@ -138,6 +151,10 @@ def _layer_names(c: Mamba2HybridConfig, i: int) -> dict[str, str]:
         names = {f"mixer.{x}": f"mixer.{x}" for x in leaves}
     elif kind == "*":
         names = {"mixer.o_proj.weight": "mixer.o_proj.weight"}
+    elif kind == "E":  # the routed experts apart (_experts_*)
+        names = {"mixer.router.weight": "mixer.gate.weight"}
+        names.update({f"mixer.shared_expert.{o}.{k}": f"mixer.shared_experts.{o}_proj.{k}"
+                      for o in ("up", "down") for k in ("weight", "bias")[: 1 + c.mlp_bias]})  # fmt: skip
     else:
         names = {f"mixer.{o}.{k}": f"mixer.{o}_proj.{k}" for o in ("up", "down")
                  for k in ("weight", "bias")[: 1 + c.mlp_bias]}  # fmt: skip
@@ -167,6 +184,8 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], c: Mamba2HybridConfig) ->
         if c.layer_kind(i) == "*":
             qkv = [take(f"{hf}.mixer.{x}_proj.weight") for x in "qkv"]
             out[f"decoder.{i}.mixer.qkv.weight"] = torch.cat(qkv, dim=0)
+        elif c.layer_kind(i) == "E":
+            out.update(_experts_from_hf(hf_sd, take, f"{hf}.mixer", f"decoder.{i}.mixer", c))
     out["lm_head.weight"] = (
         out["embedding.weight"] if c.tie_word_embeddings else take("lm_head.weight")
     )
@@ -185,6 +204,42 @@ def state_dict_to_hf(full_sd: dict[str, torch.Tensor], c: Mamba2HybridConfig) ->
         if c.layer_kind(i) == "*":
             parts = torch.split(full_sd[f"decoder.{i}.mixer.qkv.weight"], _qkv_sizes(c), dim=0)
             out.update({f"{hf}.mixer.{x}_proj.weight": t for x, t in zip("qkv", parts)})
+        elif c.layer_kind(i) == "E":
+            out.update(_experts_to_hf(full_sd, f"{hf}.mixer", f"decoder.{i}.mixer", c))
     lm_head = full_sd.get("lm_head.weight", full_sd["embedding.weight"])
     out["lm_head.weight"] = lm_head[:v]
+    return out
+
+
+def _experts_from_hf(hf_sd: dict, take, hf: str, ours: str, c: Mamba2HybridConfig) -> dict:
+    """An `E` layer's routed experts (fused [E, out, in] as transformers 5 holds them, or per
+    expert as the Hub) as ours [E, in, out], and the router's score-correction bias."""
+    out = {}
+    for proj in ("up_proj", "down_proj"):
+        if f"{hf}.experts.{proj}" in hf_sd:
+            fused = take(f"{hf}.experts.{proj}")
+        else:
+            fused = torch.stack(
+                [take(f"{hf}.experts.{j}.{proj}.weight") for j in range(c.n_routed_experts)]
+            )
+        out[f"{ours}.experts.{proj}"] = fused.transpose(1, 2).contiguous()
+    bias = hf_sd.get(f"{hf}.gate.e_score_correction_bias")
+    out[f"{ours}.router.expert_bias"] = (
+        torch.zeros(c.n_routed_experts) if bias is None else bias.float()
+    )
+    return out
+
+
+def _experts_to_hf(full_sd: dict, hf: str, ours: str, c: Mamba2HybridConfig) -> dict:
+    """The inverse, per expert (the Hub's layout); a missing bias (a stage's parameters only)
+    is written as zeros, its initial value."""
+    out = {}
+    for proj in ("up_proj", "down_proj"):
+        weights = full_sd[f"{ours}.experts.{proj}"].transpose(1, 2)  # [E, out, in]
+        out.update({f"{hf}.experts.{j}.{proj}.weight": w.contiguous()
+                    for j, w in enumerate(weights)})  # fmt: skip
+    bias = full_sd.get(f"{ours}.router.expert_bias")
+    out[f"{hf}.gate.e_score_correction_bias"] = (
+        torch.zeros(c.n_routed_experts) if bias is None else bias
+    )
     return out

@@ -5,7 +5,8 @@ between tp regions in REDUCE_SCATTER mode). The Mamba-2 mixer is batch-first: it
 (column-parallel, gathering the sequence under sequence parallel) runs sequence-first and its
 outputs are transposed as views; the scan's output goes back by a view into the row-parallel
 out_proj. Attention is our attention block (GQA, document masks; no rotary embedding, as
-Nemotron-H), the MLP Nemotron-H's (up, relu2, down).
+Nemotron-H), the MLP Nemotron-H's (up, relu2, down), the experts our MoE block with
+Nemotron-H's router and relu2 experts (moe/; its shared expert this MLP, ungated).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..kv_cache import KVCache
 from ..masks import DOCUMENT_IDS_KEY
 from ..mixers import Mamba2Mixer, Mamba2State
 from ..mixers.mamba2_cp import context_parallel_mix, local_reset_mask
+from ..moe import MoEBlock
 from .config import Mamba2HybridConfig
 from .spec import HEAD_PARAMS, MAMBA2_HYBRID_TP_PLAN, mamba_sections
 
@@ -83,24 +85,29 @@ class TPMamba2Mixer(Mamba2Mixer):
 
 
 class Relu2MLP(nn.Module):
-    """Nemotron-H's MLP: down(relu(up(x))^2); up column-, down row-parallel."""
+    """Nemotron-H's MLP: down(relu(up(x))^2); up column-, down row-parallel. `size`: its
+    width (default intermediate_size; an `E` layer's shared expert is one)."""
 
-    def __init__(self, c: Mamba2HybridConfig, group, mode, device=None, dtype=None):
+    def __init__(
+        self, c: Mamba2HybridConfig, group, mode, device=None, dtype=None, size: int | None = None
+    ):
         super().__init__()
         f = {"device": device, "dtype": dtype, "bias": c.mlp_bias}
-        self.up = PLAN.linear("mixer.up")(c.hidden_size, c.intermediate_size, group, mode, **f)
-        self.down = PLAN.linear("mixer.down")(c.intermediate_size, c.hidden_size, group, mode, **f)
+        inner = c.intermediate_size if size is None else size
+        self.up = PLAN.linear("mixer.up")(c.hidden_size, inner, group, mode, **f)
+        self.down = PLAN.linear("mixer.down")(inner, c.hidden_size, group, mode, **f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.relu(self.up(x)).square())
 
 
 class HybridLayer(nn.Module):
-    """One letter of the pattern: `norm` then `mixer` (Mamba-2, attention or MLP), residual."""
+    """One letter of the pattern: `norm` then `mixer` (Mamba-2, attention, MLP or experts),
+    residual. `dispatcher`: how an `E` layer reaches its experts (expert parallel)."""
 
     def __init__(
         self, c: Mamba2HybridConfig, layer: int, group, mode, backend: str, device=None,
-        dtype=None,
+        dtype=None, dispatcher=None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.kind, self.layer = c.layer_kind(layer), layer
@@ -112,6 +119,10 @@ class HybridLayer(nn.Module):
         elif self.kind == "*":
             view = c.attention_view()
             self.mixer = Attention(view, layer, group, mode, None, backend, device, dtype)
+        elif self.kind == "E":
+            shared = Relu2MLP(c, group, mode, device, dtype, c.moe_shared_expert_intermediate_size)
+            self.mixer = MoEBlock(c, layer, group, mode, dispatcher, device, dtype,
+                                  variant=c.moe_variant, shared_expert=shared)  # fmt: skip
         else:
             self.mixer = Relu2MLP(c, group, mode, device, dtype)
 

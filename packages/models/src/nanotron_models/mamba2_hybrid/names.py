@@ -7,7 +7,9 @@ from __future__ import annotations
 _MAMBA = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log",
           "D", "norm.weight", "out_proj.weight", "out_proj.bias")  # fmt: skip
 _OTHER = ("qkv.weight", "qkv.bias", "o_proj.weight", "up.weight", "up.bias", "down.weight",
-          "down.bias")  # fmt: skip
+          "down.bias", "router.weight", "experts.up_proj", "experts.down_proj",
+          "shared_expert.up.weight", "shared_expert.up.bias", "shared_expert.down.weight",
+          "shared_expert.down.bias")  # fmt: skip
 HYBRID_NANOTRON_LAYER_NAMES = {
     "norm.weight": "norm.weight",
     **{f"mixer.{n}": f"mixer.{n}" for n in _MAMBA + _OTHER},

@@ -3,7 +3,10 @@ block names and costs, parameter count, FLOPs and activation memory.
 
 Names: `embedding`, `decoder.{i}` (each `norm` + `mixer`), `final_norm`, `lm_head`, `loss`.
 A Mamba-2 mixer keeps Hugging Face's names (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
-`norm`, `out_proj`); an attention mixer is our attention (`qkv`, `o_proj`); an MLP `up`, `down`.
+`norm`, `out_proj`); an attention mixer is our attention (`qkv`, `o_proj`); an MLP `up`, `down`;
+experts our MoE block's (`router.weight`, `router.expert_bias`, `experts.up_proj` [E, h, I],
+`experts.down_proj` [E, I, h], `shared_expert.up` / `.down`): router and routed experts
+replicated over tp (split over ep), the shared expert cut as the MLP.
 
 Tensor parallel, Megatron's for Mamba-2 (mixers/mamba2_tp.py): a rank keeps H/tp heads and
 G/tp groups, its block of EACH section of in_proj [z | x | B | C | dt] and of the conv's
@@ -37,6 +40,8 @@ MAMBA2_HYBRID_TP_PLAN = TPPlan(
         "mixer.o_proj": Split.ROW,
         "mixer.up": Split.COLUMN,
         "mixer.down": Split.ROW,
+        "shared_expert.up": Split.COLUMN,  # an `E` layer's shared expert, as the MLP
+        "shared_expert.down": Split.ROW,
     },
     parameters={f"mixer.{n}": 0 for n in HEAD_PARAMS},
 )
@@ -77,6 +82,8 @@ def hybrid_init_spec(
         return InitSpec(name, (c.num_heads,), None, split)
     if leaf.startswith(("in_proj", "conv1d", "out_proj")):
         return _mamba_spec(c, name, leaf, init_std, scaled, split)
+    if leaf.startswith(("router.", "experts.", "shared_expert.")):
+        return _moe_spec(c, name, leaf, init_std, scaled, split)
     if leaf.startswith(("qkv", "o_proj")):
         a = c.attention_view()
         q, kv = a.num_attention_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -115,6 +122,24 @@ def _mamba_spec(c, name: str, leaf: str, std: float, scaled: float, split) -> In
     return InitSpec(name, shape, s, split, sections, fan=fan)
 
 
+def _moe_spec(c, name: str, leaf: str, std: float, scaled: float, split) -> InitSpec:
+    """An `E` layer's parameters: every expert drawn whole (the same at any ep), output
+    projections scaled as the other layers'."""
+    e, h, i, shared = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
+                       c.moe_shared_expert_intermediate_size)  # fmt: skip
+    table = {
+        "router.weight": ((e, h), std, False, None),
+        "experts.up_proj": ((e, h, i), std, True, None),
+        "experts.down_proj": ((e, i, h), scaled, True, None),
+        "shared_expert.up.weight": ((shared, h), std, False, (h, shared)),
+        "shared_expert.up.bias": ((shared,), 0.0, False, None),
+        "shared_expert.down.weight": ((h, shared), scaled, False, (shared, h)),
+        "shared_expert.down.bias": ((h,), 0.0, False, None),
+    }
+    shape, s, experts, fan = table[leaf]
+    return InitSpec(name, shape, s, split, fan=fan, experts=experts)
+
+
 @torch.no_grad()
 def fill_head_params(stage: torch.nn.Module, config: Mamba2HybridConfig, seed: int) -> None:
     """A_log, D and dt_bias as Hugging Face initialises them, the full tensors drawn from a
@@ -139,8 +164,18 @@ def hybrid_block_names(config: Mamba2HybridConfig) -> list[str]:
             "final_norm", "lm_head", "loss"]  # fmt: skip
 
 
-def _layer_matmul_params(c: Mamba2HybridConfig, layer: int) -> int:
+def _layer_matmul_params(c: Mamba2HybridConfig, layer: int, active: bool = True) -> int:
+    """Matmul weights of a layer; of an `E` layer the router, the shared expert and the
+    experts a token runs through (`active`) or every expert."""
     kind, h = c.layer_kind(layer), c.hidden_size
+    if kind == "E":
+        experts = c.num_experts_per_tok if active else c.n_routed_experts
+        per_expert = 2 * h * c.moe_intermediate_size
+        return (
+            h * c.n_routed_experts
+            + experts * per_expert
+            + 2 * h * c.moe_shared_expert_intermediate_size
+        )
     if kind == "M":
         d = c.mamba_dims
         return h * d.in_proj_size + d.intermediate_size * h
@@ -195,7 +230,7 @@ def hybrid_num_parameters(config: Mamba2HybridConfig) -> int:
     c, h = config, config.hidden_size
     total = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
     for i in range(c.num_hidden_layers):
-        total += h + _layer_matmul_params(c, i)
+        total += h + _layer_matmul_params(c, i, active=False)
         kind = c.layer_kind(i)
         if kind == "M":
             d = c.mamba_dims
@@ -206,6 +241,8 @@ def hybrid_num_parameters(config: Mamba2HybridConfig) -> int:
             total += (a.num_attention_heads + 2 * a.n_kv_heads) * a.head_dim
         elif kind == "-" and c.mlp_bias:
             total += c.intermediate_size + h
+        elif kind == "E" and c.mlp_bias:
+            total += c.moe_shared_expert_intermediate_size + h
     return total
 
 
@@ -223,4 +260,9 @@ def hybrid_activation_elements(
     qkv = (a.num_attention_heads + 2 * a.n_kv_heads) * a.head_dim // tp
     per["*"] = 2 * hs + h + 2 * qkv + 2 * a.num_attention_heads * a.head_dim // tp
     per["-"] = 2 * hs + h + 3 * c.intermediate_size // tp
+    # the routed copies of each token in and out, the experts' hidden (relu2: 3 x I), the
+    # router's fp32 scores, the shared expert as an MLP
+    k, i_e = c.num_experts_per_tok, c.moe_intermediate_size
+    per["E"] = (2 * hs + h + k * (2 * h + 3 * i_e) + 3 * c.n_routed_experts
+                + 3 * c.moe_shared_expert_intermediate_size // tp)  # fmt: skip
     return max(per[k] for k in set(c.pattern) if k in per), hs

@@ -30,6 +30,7 @@ from ..config import ATTN_BACKENDS, ModelConfigError
 from ..masks import DOCUMENT_IDS_KEY, document_ids
 from ..materialise import materialise
 from ..mixers import reset_mask_from_document_ids
+from ..moe import MoEBlock
 from .config import Mamba2HybridConfig
 from .layers import RESET_KEY, HybridLayer
 from .spec import fill_head_params, hybrid_block_names, hybrid_init_spec
@@ -43,8 +44,9 @@ class HybridStage(nn.Module):
     LlamaStage's (parallelize.py calls them), never renaming a parameter."""
 
     def __init__(
-        self, config: Mamba2HybridConfig, pc, block_names, tp_mode, backend, device, dtype
-    ):
+        self, config: Mamba2HybridConfig, pc, block_names, tp_mode, backend, device, dtype,
+        dispatcher=None,
+    ):  # fmt: skip
         super().__init__()
         self.config, self.pc, self.block_names = config, pc, list(block_names)
         self.tp_mode, group, c = tp_mode, pc.tp_group, config
@@ -54,7 +56,10 @@ class HybridStage(nn.Module):
             self.embedding.fuse_grad_accumulation = not c.tie_word_embeddings
         layers = [int(n.split(".")[1]) for n in block_names if n.startswith("decoder.")]
         self.decoder = nn.ModuleDict(
-            {str(i): HybridLayer(c, i, group, tp_mode, backend, **kw) for i in layers}
+            {
+                str(i): HybridLayer(c, i, group, tp_mode, backend, **kw, dispatcher=dispatcher)
+                for i in layers
+            }  # fmt: skip
         )
         if "final_norm" in block_names:
             sp = tp_mode == TensorParallelLinearMode.REDUCE_SCATTER
@@ -88,7 +93,7 @@ class HybridStage(nn.Module):
                                          recompute_allgather)  # fmt: skip
             elif isinstance(module, VocabParallelEmbedding):
                 module.set_communication(mode, tensor_collectives)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, MoEBlock)):
                 module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
 
     def set_context_parallel(self, group, size: int, native_reduce_scatter=None, attention=None):
@@ -109,6 +114,8 @@ class HybridStage(nn.Module):
                 layer.mixer.set_context_parallel(group, size, native_reduce_scatter, attention)
             elif layer.kind == "M":
                 layer.mixer.set_context_parallel(group, size, native_reduce_scatter)
+            elif layer.kind == "E":  # the balance statistics sum over the cp ranks' tokens
+                layer.mixer.set_context_parallel(group, size)
         if hasattr(self, "loss"):
             self.loss.cp_size = size
 
@@ -252,9 +259,11 @@ def build_hybrid_stage(
     attn_backend: str | None = None,
     scaling_method: str = "NUM_LAYERS",
     parametrization: Any = "sp",
+    dispatcher=None,
 ) -> HybridStage:
     """The named contiguous blocks with this rank's tp shards, initialised from `seed` (the
-    same full weights whatever the layout)."""
+    same full weights whatever the layout); `dispatcher`: how `E` layers reach their experts
+    (nanotron_parallel.expert_parallel; None: every expert on this rank)."""
     config.validate(pc.tp_size)
     if getattr(parametrization, "name", parametrization) != "sp":
         raise ModelConfigError(
@@ -270,7 +279,8 @@ def build_hybrid_stage(
         raise ModelConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
     std = config.initializer_range if init_std is None else init_std
     device = torch.device(device) if device is not None else torch.device(pc.device)
-    stage = HybridStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype)
+    stage = HybridStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype,
+                        dispatcher)  # fmt: skip
     materialise(stage, config, hybrid_init_spec, pc.tp_rank, pc.tp_size, seed, std, device,
                 dtype, scaling_method, parametrization)  # fmt: skip
     fill_head_params(stage, config, seed)

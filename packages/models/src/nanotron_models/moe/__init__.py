@@ -7,6 +7,7 @@ from .config import (
     ROUTERS,
     MoEConfig,
     MoEConfigError,
+    MoEVariant,
     moe_config_error,
     moe_layers_of,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "MoEConfig",
     "MoEConfigError",
     "MoEStats",
+    "MoEVariant",
     "begin_moe_step",
     "moe_blocks",
     "moe_config_error",

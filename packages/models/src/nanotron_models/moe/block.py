@@ -2,6 +2,10 @@
 
 out = sum over the token's top-k experts of weight * expert(x)  [+ sigmoid(x . g) * shared(x)]
 
+A family may change the router's group limit, the weights' scale and the experts' activation
+(`MoEVariant`) and give its own shared expert, added without a gate (Nemotron-H: relu2
+experts, an ungated relu2 shared MLP).
+
 Dropless: every (token, slot) reaches its expert whatever the imbalance; the dispatcher sorts
 the assignments by expert (one rank) or sends them to the experts' ranks (expert parallel).
 
@@ -33,6 +37,7 @@ from nanotron_parallel.tensor_parallel import TensorParallelLinearMode, copy_to_
 
 from ..blocks import MLP
 from .balance import balance_losses, scale_balance_grad
+from .config import MoEVariant
 from .experts import GroupedExperts
 from .router import Router
 from .stats import MoEStats
@@ -48,9 +53,13 @@ class MoEBlock(nn.Module):
         dispatcher: Dispatcher | None = None,
         device=None,
         dtype=None,
+        *,
+        variant: MoEVariant | None = None,
+        shared_expert: nn.Module | None = None,
     ):
         super().__init__()
         m, h = config.moe_config, config.hidden_size
+        v = variant or MoEVariant()
         self.layer, self.group = layer, group
         self.num_experts, self.top_k = m.num_experts, m.top_k
         self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(m.num_experts)
@@ -58,13 +67,18 @@ class MoEBlock(nn.Module):
         self.cp_group = None  # set_context_parallel
         kw = {"device": device, "dtype": dtype}
         self.router = Router(
-            h, m.num_experts, m.top_k, m.router, m.norm_topk_prob, m.router_bias_update_rate, **kw
-        )
+            h, m.num_experts, m.top_k, m.router, m.norm_topk_prob, m.router_bias_update_rate, **kw,
+            n_group=v.n_group, topk_group=v.topk_group,
+            routed_scaling_factor=v.routed_scaling_factor,
+        )  # fmt: skip
         d = self.dispatcher
         self.experts = GroupedExperts(
-            d.num_local_experts, d.first_local_expert, h, m.moe_intermediate_size, **kw
-        )
-        if m.enable_shared_expert:
+            d.num_local_experts, d.first_local_expert, h, m.moe_intermediate_size, **kw,
+            activation=v.expert_activation,
+        )  # fmt: skip
+        if shared_expert is not None:  # the family's, ungated
+            self.shared_expert = shared_expert
+        elif m.enable_shared_expert:
             size = SimpleNamespace(
                 hidden_size=h, intermediate_size=m.shared_expert_intermediate_size
             )
@@ -94,13 +108,15 @@ class MoEBlock(nn.Module):
         y = self.experts(
             sent.tokens,
             sent.counts,
-            self._read(self.experts.gate_up_proj),
+            self._read(self.experts.first_proj),
             self._read(self.experts.down_proj),
         )
         out = self.dispatcher.combine(y, sent.state)
-        if hasattr(self, "shared_expert"):
+        if hasattr(self, "shared_expert_gate"):
             gate = torch.sigmoid(F.linear(flat, self._read(self.shared_expert_gate.weight)))
             out = out + gate * self.shared_expert(x).reshape(flat.shape)
+        elif hasattr(self, "shared_expert"):
+            out = out + self.shared_expert(x).reshape(flat.shape)
         out = out.view(shape)
         if torch.is_grad_enabled():
             out = self._balance(out, routing)

@@ -59,6 +59,19 @@ class MoEConfig:
         return sorted(set(self.layers))
 
 
+@dataclass(frozen=True)
+class MoEVariant:
+    """How a family's MoE layer departs from Qwen2-MoE's (the defaults), set by the family,
+    not a YAML key: the sigmoid router's group limit and weight scale (router.py) and the
+    experts' activation (experts.EXPERT_ACTIVATIONS). Nemotron-H's: its n_group, topk_group,
+    routed_scaling_factor and relu2."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_activation: str = "swiglu"
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

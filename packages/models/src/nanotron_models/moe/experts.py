@@ -3,7 +3,9 @@ matmul over the tokens sorted by expert.
 
 Weights (names fixed for checkpoints and the HF mapping): `gate_up_proj` [E_local, H, 2 I]
 (gate then up along the last dim) and `down_proj` [E_local, I, H], so a row x of expert e
-computes (silu(x @ G_e) * (x @ U_e)) @ D_e.
+computes (silu(x @ G_e) * (x @ U_e)) @ D_e. The activation is a registry entry
+(`EXPERT_ACTIVATIONS`): `relu2` (Nemotron-H's non-gated experts) holds `up_proj`
+[E_local, H, I] instead and computes relu(x @ U_e)^2 @ D_e.
 
 Kernels: `torch._grouped_mm` (offsets = running token counts, read on the device: no host
 sync) where it runs; in torch 2.13 that is eager CPU in fp32, bf16 and fp16, and CUDA (a
@@ -22,6 +24,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _swiglu(hidden: torch.Tensor) -> torch.Tensor:
+    gate, up = hidden.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _relu2(hidden: torch.Tensor) -> torch.Tensor:
+    return F.relu(hidden).square()
+
+
+# activation -> (its first projection's name, that projection's width in units of I, the
+# function): Qwen2-MoE / Mixtral's gated SiLU, Nemotron-H's relu2
+EXPERT_ACTIVATIONS = {"swiglu": ("gate_up_proj", 2, _swiglu), "relu2": ("up_proj", 1, _relu2)}
 
 
 def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -55,13 +71,21 @@ class GroupedExperts(nn.Module):
         intermediate_size: int,
         device=None,
         dtype=None,
+        activation: str = "swiglu",
     ):
         super().__init__()
         self.num_local_experts, self.first_local_expert = num_local_experts, first_local_expert
         e, h, i = num_local_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i, device=device, dtype=dtype))
+        self.first_name, width, self.activation = EXPERT_ACTIVATIONS[activation]
+        first = nn.Parameter(torch.empty(e, h, width * i, device=device, dtype=dtype))
+        self.register_parameter(self.first_name, first)
         self.down_proj = nn.Parameter(torch.empty(e, i, h, device=device, dtype=dtype))
         self.use_grouped_mm = True  # False: the loop (tests compare the two)
+
+    @property
+    def first_proj(self) -> nn.Parameter:
+        """`gate_up_proj` or `up_proj`, by the activation."""
+        return getattr(self, self.first_name)
 
     def forward(
         self,
@@ -71,15 +95,13 @@ class GroupedExperts(nn.Module):
         down: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [N, H] grouped by local expert, counts [E_local] rows each -> [N, H]. The
-        weights as this forward reads them (copy_to_tp under sequence parallel), default the
-        parameters."""
-        gate_up = self.gate_up_proj if gate_up is None else gate_up
+        weights (`gate_up`: the first projection) as this forward reads them (copy_to_tp under
+        sequence parallel), default the parameters."""
+        gate_up = self.first_proj if gate_up is None else gate_up
         down = self.down_proj if down is None else down
         if self.use_grouped_mm and grouped_mm_runs(tokens, gate_up, down):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             hidden = grouped_matmul(tokens, gate_up, offsets)
-            gate, up = hidden.chunk(2, dim=-1)
-            return grouped_matmul((F.silu(gate) * up).contiguous(), down, offsets)
+            return grouped_matmul(self.activation(hidden).contiguous(), down, offsets)
         sizes = counts.tolist()  # the loop needs the group sizes on the host
-        gate, up = looped_matmul(tokens, gate_up, sizes).chunk(2, dim=-1)
-        return looped_matmul(F.silu(gate) * up, down, sizes)
+        return looped_matmul(self.activation(looped_matmul(tokens, gate_up, sizes)), down, sizes)

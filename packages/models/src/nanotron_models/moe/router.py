@@ -8,7 +8,11 @@ its k most probable experts, weighted by those probabilities (divided by their s
 choice takes the k largest scores + `expert_bias` (a per-expert buffer, not trained by
 autograd: `update_expert_bias` nudges it after each step against the step's load), the
 weights are the chosen scores themselves (divided by their sum with `norm_topk_prob`), so the
-bias steers the choice without entering the output.
+bias steers the choice without entering the output. DeepSeek-V3's and Nemotron-H's group
+limit (`n_group` > 1): the experts form n_group groups, each scored by the sum of its two
+best biased scores, and a token chooses among the experts of its `topk_group` best groups;
+`routed_scaling_factor` multiplies the weights (after the division). Hugging Face's
+`NemotronHTopkRouter` computes the same.
 
 Routing runs in fp32 whatever the model dtype (as Nanotron and HF keep the router's logits):
 bf16 scores tie often enough to change the choice.
@@ -41,9 +45,14 @@ class Router(nn.Module):
         bias_update_rate: float = 0.0,
         device=None,
         dtype=None,
+        *,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
     ):
         super().__init__()
         self.num_experts, self.top_k, self.kind = num_experts, top_k, kind
+        self.n_group, self.topk_group, self.scaling = n_group, topk_group, routed_scaling_factor
         self.norm_topk_prob, self.bias_update_rate = norm_topk_prob, bias_update_rate
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, device=device, dtype=dtype)
@@ -62,12 +71,28 @@ class Router(nn.Module):
             top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         else:
             scores = torch.sigmoid(logits)
-            top_i = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+            choice = scores.detach() + self.expert_bias
+            if self.n_group > 1:
+                choice = group_limited(choice, self.n_group, self.topk_group)
+            top_i = torch.topk(choice, self.top_k, dim=-1).indices
             top_w = scores.gather(-1, top_i)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            top_w = top_w * self.scaling
         return Routing(logits, probs, top_i, top_w)
+
+
+def group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """`choice` [T, E] with -inf outside each token's `topk_group` best groups of experts (a
+    group's score: the sum of its two best choices, or its one when a group holds one)."""
+    t, e = choice.shape
+    grouped = choice.view(t, n_group, e // n_group)
+    best = grouped.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)  # [T, n_group]
+    keep = torch.zeros_like(best, dtype=torch.bool)
+    keep.scatter_(1, best.topk(topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
 
 
 @torch.no_grad()
