@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,3 +180,94 @@ def test_custom_dataloader_example_trains_under_torchrun_with_its_layout(quickst
     ids, notes = ids_for_export(ckpt.model_config, tok)
     assert ids == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
     assert generation_eos(ckpt.model_config, tok) == 0 and len(notes) == 2
+
+
+# -- Nanotron's examples/mamba (Mamba-1): config_mamba.yaml, in the older layout its config.py
+# reads (the Adam keys directly under `optimizer`, MambaInit under init_method).
+
+
+def mamba(q: SimpleNamespace) -> list[str]:
+    """Sizes and paths: a small model, short sequences, 3 steps, its TinyStories stage on the
+    quickstart's files, its checkpoints here (its own are on Nanotron's cluster)."""
+    mc, ds = "model.model_config", "data_stages.0.data.dataset"
+    return [
+        *common(q), f"{mc}.d_model=16", f"{mc}.num_hidden_layers=2", "tokens.sequence_length=32",
+        "tokens.train_steps=3", f"{ds}.hf_dataset_or_datasets={q.corpus}",
+        f"{ds}.dataset_processing_num_proc_per_process=1", "checkpoints.checkpoints_path=checkpoints",
+    ]  # fmt: skip
+
+
+def _train(config: Path, overrides: list[str]) -> int:
+    argv = ["--config-file", str(config)]
+    for assignment in overrides:
+        argv += ["--override", assignment]
+    with shared_default_group():
+        return train_main(argv)
+
+
+def test_nanotron_mamba_example_trains_with_its_keys(quickstart, tmp_path, monkeypatch, capsys):
+    """config_mamba.yaml as committed (bfloat16, residual_in_fp32, tied embeddings) trains 3
+    steps; its optimizer-level Adam keys and MambaInit keys mean what they mean in Nanotron."""
+    from nanotron_train.config.load import load_config
+
+    config = HERE / "config_mamba.yaml"
+    cfg = load_config(config, mamba(quickstart))
+    factory, init = cfg.optimizer.optimizer_factory, cfg.model.init_method
+    assert (factory.name, factory.adam_beta1, factory.adam_beta2, factory.adam_eps) == (
+        "adamW", 0.9, 0.95, 1e-8,
+    )  # fmt: skip
+    assert (init.initializer_range, init.n_residuals_per_layer) == (0.02, 1)
+    assert cfg.model.model_config.ssm_cfg["d_state"] == 16
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert _train(config, mamba(quickstart)) == 0
+    assert token_id_warnings(capsys.readouterr().err) == []
+    steps = [r["step"] for r in records(tmp_path)]
+    losses = [r["lm_loss"] for r in records(tmp_path)]
+    assert steps == [1, 2, 3] and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(quickstart.vocab), abs=0.1)  # std 0.02: ~uniform
+    saved = yaml.safe_load((tmp_path / "checkpoints" / "3" / "config.yaml").read_text())
+    mc = saved["model"]["model_config"]
+    assert mc["is_mamba_config"] and mc["residual_in_fp32"] and mc["ssm_cfg"]["dt_rank"] == "auto"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.model_config.rms_norm=false", "model_config.rms_norm: false (LayerNorm) is not"),
+        ("model.model_config.ssm_cfg.d_head=4", "model_config.ssm_cfg.d_head: unknown key"),
+        ("model.model_config.dtype=float16", "model.model_config.dtype: 'float16' differs"),
+        ("optimizer.optimizer_factory.adam_beta1=0.8", "optimizer.adam_beta1: is also given"),
+    ],
+)
+def test_nanotron_mamba_example_refuses_in_one_line(quickstart, override, message):
+    from nanotron_train.config.errors import ConfigError
+    from nanotron_train.config.load import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(HERE / "config_mamba.yaml", [*mamba(quickstart), override])
+
+
+def test_nanotron_mamba_example_at_tp2_equals_one_process(quickstart, tmp_path, monkeypatch):
+    """The same example (float32) at tp=2 under torchrun: the loss and grad norm of each step
+    equal one process's (x_proj's partial products summed over tp, which Nanotron's example
+    leaves out)."""
+    fp32 = [*mamba(quickstart), "model.dtype=float32", "model.model_config.dtype=null",
+            "tokens.train_steps=2"]  # fmt: skip
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    one.mkdir(), two.mkdir()
+    monkeypatch.chdir(one)
+    assert _train(HERE / "config_mamba.yaml", fp32) == 0
+    argv = ["--config-file", str(HERE / "config_mamba.yaml")]
+    for assignment in [*fp32, "parallelism.tp=2"]:
+        argv += ["--override", assignment]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "NANOTRON_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "nanotron_train", *argv],
+        capture_output=True, text=True, cwd=two, timeout=300, env={**env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(records(one), records(two), strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)

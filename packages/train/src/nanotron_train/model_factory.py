@@ -22,6 +22,7 @@ from nanotron_models.stage import ModelStage
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.expert_parallel import make_dispatcher
 from nanotron_parallel.pipeline import engine, stage_block_names
+from nanotron_train.config.nanotron_layouts import init_options
 from nanotron_train.config.schema import Config, ModelArgs
 
 
@@ -73,8 +74,7 @@ def build_model(
         pc.pp_rank if stage is None else stage,
         pc.pp_size if num_stages is None else num_stages,
         seed=seed,
-        init_std=model.init_method.std,
-        scaling_method=model.init_method.scaling_method,
+        **init_options(model),
         dtype=DTYPES[model.dtype],
         device=pc.device,
         # only when not sp, so a family without parametrizations needs no such option

@@ -25,7 +25,6 @@ state [b, I, N] (fp32; fp64 in fp64 models), constant in the sequence length.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -98,8 +97,11 @@ class Mamba1Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(i, **f))
         out_bias = d.use_bias if d.out_proj_bias is None else d.out_proj_bias
         self.out_proj = nn.Linear(i, d.hidden_size, bias=out_bias, **f)
-        # x_proj's partial products -> the full ones (identity on one rank; tp: the family's)
-        self.reduce_x_proj: Callable[[Tensor], Tensor] = lambda t: t
+
+    def reduce_x_proj(self, partial: Tensor) -> Tensor:
+        """x_proj's partial products -> the full ones: the identity on one rank; a tp layer
+        sums them over its group."""
+        return partial
 
     # ---- the pieces ----
 

@@ -19,6 +19,8 @@ import yaml
 from nanotron_train.config.checks import validate
 from nanotron_train.config.errors import ConfigError
 from nanotron_train.config.loader import apply_override, from_dict
+from nanotron_train.config.nanotron_layouts import INIT_CHECKS, upgrade_optimizer_layout
+from nanotron_train.config.rules import run_checks
 from nanotron_train.config.schema import Config
 
 
@@ -34,9 +36,12 @@ def config_from_dict(
     data: dict[str, Any], source: str = "<config>", world_size: int | None = None
 ) -> Config:
     """Typed config from a raw mapping, validated (world size checked when given)."""
-    cfg = from_dict(Config, _token_ids_default_to_the_tokenizers(data), "", source)
+    data = upgrade_optimizer_layout(_token_ids_default_to_the_tokenizers(data), source)
+    cfg = from_dict(Config, data, "", source)
     cfg.general.run = expand_run_name(cfg.general.run)
-    return validate(cfg, source, world_size)
+    validate(cfg, source, world_size)
+    run_checks(INIT_CHECKS, source, cfg)
+    return cfg
 
 
 def _token_ids_default_to_the_tokenizers(data: dict[str, Any]) -> dict[str, Any]:

@@ -58,8 +58,9 @@ class ParallelismArgs:
 
 @dataclass
 class InitMethod:
-    """Nanotron's RandomInit (std, scaling_method), SpectralMupInit (use_mup) or
-    ExistingCheckpointInit (path), as one section: which keys are set says which it is."""
+    """Nanotron's RandomInit (std, scaling_method), SpectralMupInit (use_mup),
+    ExistingCheckpointInit (path) or its Mamba example's MambaInit, as one section: which keys
+    are set says which it is."""
 
     std: float | None = 0.02
     # How the std of the projections into the residual stream (o_proj, down) is scaled:
@@ -67,6 +68,11 @@ class InitMethod:
     scaling_method: Literal["NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE"] = "NUM_LAYERS"
     use_mup: bool | None = None
     path: str | None = None  # start from this checkpoint's weights (ours or Nanotron's), step 0
+    # Nanotron's Mamba example's MambaInit (config/nanotron_layouts.py): the embedding's std
+    # (in place of std), and out_proj / sqrt(n_residuals_per_layer * layers) when rescaled
+    initializer_range: float | None = None
+    n_residuals_per_layer: int | None = None
+    rescale_prenorm_residual: bool | None = None
 
 
 @dataclass
