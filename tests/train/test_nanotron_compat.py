@@ -79,8 +79,6 @@ REFUSALS = {
     "tokenizer.tokenizer_max_length": 2048,
     "data_stages.data.dataset.hf_dataset_config_name": "en",
     "data_stages.data.dataset.use_old_brrr_dataloader": True,
-    "data_stages.data.dataset.sft_dataloader": True,
-    "data_stages.data.dataset.debug_max_samples": 10,
     "tokens.limit_test_batches": 2,
 }
 

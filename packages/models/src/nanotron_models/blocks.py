@@ -355,7 +355,8 @@ class LMHead(ColumnParallelLinear):
 
 
 class Loss(nn.Module):
-    """Logit shard -> fp32 mean cross-entropy over the tokens where label_mask is true.
+    """Logit shard -> fp32 mean cross-entropy over the tokens where label_mask is true (or their
+    sum divided by the batch's `DIVISOR_KEY` when it has one).
 
     With a z-loss coefficient the mean includes the z-loss, and `z_loss_sum` accumulates its
     detached mean per micro-batch on the device (no host sync) for the trainer to log.
@@ -366,6 +367,10 @@ class Loss(nn.Module):
     the mean over the cp ranks is the micro-batch's mean (nanotron_parallel.context_parallel).
     """
 
+    # A micro-batch's loss divisor given by the trainer (a 0-d device tensor): the token-weighted
+    # loss of a whole global batch (nanotron_train/data/token_weighting.py), not this one's mean.
+    DIVISOR_KEY = "loss_divisor"
+
     def __init__(self, vocab_size: int, group, z_loss_coefficient: float = 0.0):
         super().__init__()
         self.vocab_size, self.group = vocab_size, group
@@ -375,6 +380,8 @@ class Loss(nn.Module):
 
     def _count(self, mask: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The divisor of a token-weighted mean (times 1/cp under context parallelism)."""
+        if self.DIVISOR_KEY in batch:
+            return batch[self.DIVISOR_KEY] / self.cp_size
         if self.cp_size == 1:
             return mask.sum().clamp(min=1.0)
         return batch[LABEL_COUNT_KEY].clamp(min=1.0) / self.cp_size

@@ -43,6 +43,24 @@ class StepRecorder:
         self.model_config = padded_model_config(model_args)
         self.flops_per_token = family_of(self.model_config).training_flops_per_token
         self.peak_tflops = device_peak_tflops(pc.device, DTYPES[model_args.dtype])
+        # SFT: labelled tokens of the steps since the last record (a device sum, read then)
+        self.labelled: torch.Tensor | None = None
+        self.labelled_steps = 0
+
+    def add_labelled(self, count: torch.Tensor | None) -> None:
+        """Count a step's labelled tokens (None: pretraining data, every token counts)."""
+        if count is not None:
+            self.labelled = count if self.labelled is None else self.labelled + count
+            self.labelled_steps += 1
+
+    def _labelled_metrics(self, seconds_per_step: float) -> dict[str, float]:
+        """The trained (labelled) tokens per step and per second since the last record."""
+        if self.labelled is None:
+            return {}
+        per_step = float(self.labelled) / self.labelled_steps
+        self.labelled, self.labelled_steps = None, 0
+        rate = per_step / seconds_per_step if seconds_per_step > 0 else float("nan")
+        return {"labelled_tokens": per_step, "labelled_tokens_per_sec": rate}
 
     def global_mean_loss(self, last_stage_loss: torch.Tensor | None) -> float:
         """Mean over the global batch: the last stage's micro-batch mean, averaged over dp x cp
@@ -85,6 +103,7 @@ class StepRecorder:
             peak_memory_bytes(self.pc.device),
             self.global_batch_size,
         )
+        record.update(self._labelled_metrics(seconds_per_step))
         if self.z_loss_enabled:  # the same condition on every rank
             record["z_loss"] = self.global_mean_loss(out.z_loss)  # lm_loss includes it
         if self.moe is not None:  # the same condition on every rank

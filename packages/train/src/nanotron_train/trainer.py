@@ -36,6 +36,7 @@ from nanotron_train.checkpoints.hooks import Checkpointing
 from nanotron_train.config.memory_estimate import check_memory
 from nanotron_train.config.schema import Config
 from nanotron_train.data.source import build_data
+from nanotron_train.data.token_weighting import weigh_by_labelled_tokens
 from nanotron_train.eval.evaluation import build_evaluator
 from nanotron_train.fault.sanity import SanityCheckError, check_dp_replicas
 from nanotron_train.fault.session import FaultTolerance
@@ -179,6 +180,8 @@ class Trainer:
         self.profiler.begin_step()
         with tm.span("data", host=True):
             micro_batches = s.data.micro_batches(step + s.data_step_offset)
+            # SFT: the loss is token-weighted over the global batch (data/token_weighting.py)
+            self.records.add_labelled(weigh_by_labelled_tokens(micro_batches, pc))
             micro_batches = [  # under context parallel, this cp rank's two chunks of each sequence
                 {k: v.to(pc.device) for k, v in split_batch(mb, pc.cp_rank, pc.cp_size).items()}
                 for mb in micro_batches

@@ -21,6 +21,8 @@ const NTU = (() => {
     tokens_per_sec: "tokens/s", tokens_per_sec_per_gpu: "tokens/s per GPU", time_per_iteration_ms: "ms",
     model_tflops_per_gpu: "TFLOP/s per GPU", mfu: "fraction of peak", memory: "MiB",
     global_batch_size: "sequences", consumed_tokens: "tokens",
+    // SFT: the tokens trained on (the assistant's), per step and per second
+    labelled_tokens: "labelled tokens", labelled_tokens_per_sec: "labelled tokens/s",
   };
   const MIB = 1024 * 1024;
   function unitOf(name) {

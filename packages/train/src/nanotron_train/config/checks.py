@@ -21,6 +21,7 @@ from nanotron_train.config.moe import MOE_CHECKS
 from nanotron_train.config.muon import MUON_CHECKS
 from nanotron_train.config.perf import PERF_CHECKS
 from nanotron_train.config.rules import Check, at_least, below_one, positive, refused, run_checks
+from nanotron_train.config.sft import SFT_STAGE_CHECKS
 from nanotron_train.config.telemetry import TELEMETRY_CHECKS
 from nanotron_train.config.validation import VALIDATION_CHECKS
 from nanotron_train.config.values import VALUE_CHECKS
@@ -373,14 +374,7 @@ STAGE_CHECKS: tuple[Check, ...] = (
         "selects a configuration of a Hugging Face hub dataset; downloading from the hub is "
         "not part of this project (give a local dataset folder or files, and null here)",
     ),
-    *(
-        Check(
-            f"data_stages.{{i}}.data.dataset.{key}",
-            lambda c, s, key=key: getattr(_dataset(s), key) is None,
-            "asks for Nanotron's SFT (fine-tuning) datasets, which this project does not have",
-        )
-        for key in ("sft_dataloader", "debug_max_samples")
-    ),
+    *SFT_STAGE_CHECKS,
     Check(
         "data_stages.{i}.data.dataset",
         lambda c, s: _spec_kind_error(s.data.dataset) is None,

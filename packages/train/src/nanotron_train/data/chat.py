@@ -19,8 +19,9 @@ the first) and label mask; conversations are placed whole, in order, into rows o
 cut), positions restarting at 0 at each, so the model's document masking keeps them apart. The
 rest of a row is padding: its own document, no label.
 
-This is the data side of supervised fine-tuning; the trainer does not read it yet (Nanotron's
-`sft_dataloader` key stays refused until it does).
+Without document masking in the model (`per_row`), each conversation gets a row of its own,
+padded, as Nanotron's SFT data: packed ones would attend to each other. The trainer reads this
+through data/sft.py (Nanotron's `sft_dataloader: true`).
 """
 
 from __future__ import annotations
@@ -165,10 +166,14 @@ def _check_messages(messages: Any) -> None:
 
 
 def pack(
-    conversations: list[tuple[list[int], list[bool]]], sequence_length: int, pad_token_id: int
+    conversations: list[tuple[list[int], list[bool]]],
+    sequence_length: int,
+    pad_token_id: int,
+    per_row: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Rows of `sequence_length` holding whole conversations: input_ids, label_ids, label_mask,
-    position_ids and document ids, each [rows, sequence_length] (see the module's docstring)."""
+    """Rows of `sequence_length` holding whole conversations (one each with `per_row`):
+    input_ids, label_ids, label_mask, position_ids and document ids, each [rows,
+    sequence_length] (see the module's docstring)."""
     S = sequence_length
     rows: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[]]
     used = 0
@@ -178,7 +183,7 @@ def pack(
         ids_a = np.asarray(ids[: S + 1], dtype=np.int64)
         mask_a = np.asarray(mask[: S + 1], dtype=bool)
         n = len(ids_a) - 1
-        if used + n > S and rows[-1]:
+        if (per_row or used + n > S) and rows[-1]:
             rows.append([])
             used = 0
         rows[-1].append((ids_a[:-1], ids_a[1:], mask_a[1:]))

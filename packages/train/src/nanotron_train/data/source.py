@@ -130,17 +130,41 @@ class _Shape:
 
 
 def _build_source(stages: list[DatasetStageArgs], shape: _Shape, pc) -> Any:
-    synthetic = [s.data.dataset is None for s in stages]
-    if all(synthetic) and len(stages) == 1:
-        return _synthetic(stages[0], shape, pc)
-    if not any(synthetic):  # one TrainData for every stage: one blend position across them
+    # Synthetic and SFT stages are sources of their own; the others share one TrainData.
+    own = [s.data.dataset is None or s.data.dataset.is_sft for s in stages]
+    if all(own) and len(stages) == 1:
+        return _own_source(stages[0], shape, pc)
+    if not any(own):  # one TrainData for every stage: one blend position across them
         return _real(stages, shape, pc)
     starts = [s.start_training_step for s in stages]
     sources = [
-        _synthetic(s, shape, pc) if s.data.dataset is None else _real([s], shape, pc, first=True)
-        for s in stages
+        _own_source(s, shape, pc) if is_own else _real([s], shape, pc, first=True)
+        for s, is_own in zip(stages, own)
     ]
     return StagedData(starts, sources)
+
+
+def _own_source(stage: DatasetStageArgs, shape: _Shape, pc) -> Any:
+    return _synthetic(stage, shape, pc) if stage.data.dataset is None else _sft(stage, shape, pc)
+
+
+def _sft(stage: DatasetStageArgs, shape: _Shape, pc) -> Any:
+    from nanotron_train.data.sft import SFTData
+
+    tok = shape.tokens
+    return SFTData(
+        stage.data.dataset,
+        name=stage.name,
+        seed=stage.data.seed,
+        sequence_length=stage.sequence_length or tok.sequence_length,
+        micro_batch_size=tok.micro_batch_size,
+        batch_accumulation_per_replica=tok.batch_accumulation_per_replica,
+        dp_rank=pc.dp_rank,
+        dp_size=pc.dp_size,
+        tokenizer_path=tokenizer_path(shape.tokenizer),
+        model_vocab_size=shape.vocab_size,
+        document_masking=shape.document_masking,
+    )
 
 
 def tokenizer_path(tok: TokenizerArgs) -> str | None:

@@ -50,9 +50,15 @@ class DatasetSpec:
     dataset_processing_num_proc_per_process: int = 1  # tokenizer worker processes
     dataset_overwrite_cache: bool = False  # re-tokenize even when the cache has it
     text_column_name: str | None = None  # "text" when null (Nanotron's default)
-    # SFTDatasetsArgs: refused (fine-tuning datasets are not part of this project)
+    # SFTDatasetsArgs (with hf_dataset_or_datasets): true reads chat conversations for
+    # supervised fine-tuning (data/sft.py), the loss on the assistant's tokens only
     sft_dataloader: bool | None = None
-    debug_max_samples: int | None = None
+    debug_max_samples: int | None = None  # SFT: use only the first N conversations
+    chat_template: str | None = None  # SFT (ours): Jinja template; null: the tokenizer's
+
+    @property
+    def is_sft(self) -> bool:
+        return bool(self.sft_dataloader)
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset_folder, str):

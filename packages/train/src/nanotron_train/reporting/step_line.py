@@ -28,6 +28,8 @@ def format_line(rec: dict[str, Any], train_steps: int) -> str:
     ]
     if "z_loss" in rec:
         parts.insert(7, f"z_loss: {rec['z_loss']:.4g}")
+    if "labelled_tokens_per_sec" in rec:  # SFT: the tokens trained on (the loss is their mean)
+        parts.insert(5, f"labelled_tokens_per_sec: {_human(rec['labelled_tokens_per_sec'])}")
     if "moe/aux_loss" in rec:  # a MoE model (reporting/moe_metrics.py)
         parts.append(f"moe_aux_loss: {rec['moe/aux_loss']:.4g}")
         if "moe/z_loss" in rec:
