@@ -69,6 +69,18 @@ class TPGatedDeltaNetMixer(GatedDeltaNetMixer):
                 shape, sections = marks[name]
                 set_param_meta(param, ParamMeta(shape, 0, sections, rank, tp))
 
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """As GatedDeltaNetMixer.project, the leading dims read from the projections' output:
+        under sequence parallel the column-parallel layers gather the sequence of `hidden`."""
+        d, r = self.dims, self.dims.heads_per_key
+        qkvz = self.in_proj_qkvz(hidden).unflatten(-1, (d.num_key_heads, -1))
+        dv = r * d.value_head_dim
+        q, k, v, z = qkvz.split([d.key_head_dim, d.key_head_dim, dv, dv], dim=-1)
+        b, a = self.in_proj_ba(hidden).unflatten(-1, (d.num_key_heads, 2 * r)).split([r, r], -1)
+        qkv = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)
+        z = z.reshape(*qkvz.shape[:-2], d.num_value_heads, d.value_head_dim)
+        return qkv, z, b.flatten(-2), a.flatten(-2)
+
     def gate_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return super().gate_norm(o, z)
