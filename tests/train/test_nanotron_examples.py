@@ -229,6 +229,42 @@ def test_nanotron_mamba_example_trains_with_its_keys(quickstart, tmp_path, monke
     saved = yaml.safe_load((tmp_path / "checkpoints" / "3" / "config.yaml").read_text())
     mc = saved["model"]["model_config"]
     assert mc["is_mamba_config"] and mc["residual_in_fp32"] and mc["ssm_cfg"]["dt_rank"] == "auto"
+    _converts_to_and_from_hf(tmp_path, quickstart)
+
+
+def _converts_to_and_from_hf(folder: Path, q: SimpleNamespace) -> None:
+    """The trained checkpoint -> MambaForCausalLM (transformers loads it: tied lm_head,
+    residual_in_fp32, the sizes) -> our checkpoint again: the same weights both ways, and
+    transformers' logits equal ours (float32, 1e-5)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import MambaForCausalLM
+
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.convert import main as convert_main
+    from nanotron_train.inference.model_io import full_model_tensors, load_model, open_checkpoint
+
+    hf_dir, back = folder / "hf", folder / "back"
+    ids = torch.randint(0, q.vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with shared_default_group():
+        assert convert_main(["to-hf", "--ckpt-path", str(folder / "checkpoints"),
+                             "--out", str(hf_dir)]) == 0  # fmt: skip
+        assert convert_main(["from-hf", "--hf-path", str(hf_dir), "--out", str(back)]) == 0
+        ours = load_model(open_checkpoint(back), ParallelContext(), dtype=torch.float32)
+        got = ours.logits(ids)
+    hf = MambaForCausalLM.from_pretrained(hf_dir).float().eval()
+    assert hf.config.tie_word_embeddings and hf.config.residual_in_fp32
+    assert (hf.config.intermediate_size, hf.config.time_step_rank) == (32, 1)
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    trained = full_model_tensors(open_checkpoint(folder / "checkpoints"))
+    again = full_model_tensors(open_checkpoint(back))
+    written = load_file(str(hf_dir / "model.safetensors"))
+    assert sorted(trained) == sorted(again)
+    assert all(torch.equal(trained[k], again[k].to(trained[k].dtype)) for k in trained)
+    assert torch.equal(trained["decoder.1.mixer.x_proj.weight"],
+                       written["backbone.layers.1.mixer.x_proj.weight"].to(torch.bfloat16))  # fmt: skip
 
 
 @pytest.mark.parametrize(
