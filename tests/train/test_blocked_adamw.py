@@ -82,3 +82,30 @@ def test_pieces_use_blocks_on_the_cpu_only_for_plain_adamw():
     assert not AdamWOnPieces([piece], **kw, fused=True).blocked
     assert not supports_blocked(torch.optim.AdamW([p], amsgrad=True))
     assert not supports_blocked(torch.optim.SGD([p], lr=0.1))
+
+
+def test_blocks_are_made_once_and_no_scalar_is_copied():
+    """As the trainer steps it (the same gradient tensors, rewritten in place each step): the
+    blocks' views are made on the first step and reused, still bitwise torch's AdamW, and a
+    step runs no scalar copy (an op given a Python float copies it into a 0-d tensor first)
+    and no per-parameter Python call (a few foreach calls per block: the small ones share)."""
+    ref, ours = _params(0), _params(0)
+    for p in ref + ours:
+        p.grad = torch.zeros(p.shape)
+    opt_ref, opt = _adamw(ref, foreach=False), _adamw(ours, foreach=False)
+    made = []
+    for step in range(1, 4):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ref, ours):
+            q.grad.copy_(p.grad.copy_(torch.randn(p.shape, generator=g)))
+        opt_ref.step()
+        with torch.profiler.profile() as prof:
+            blocked_adamw_step(opt, block=1000)
+        made.append([blocks for _, _, blocks in opt._nanotron_blocks.values()])
+    _same(opt, opt_ref)
+    assert all(a is b for a, b in zip(made[1], made[2]))  # the same blocks' views
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("aten::_to_copy", 0) == 0 and counts.get("aten::copy_", 0) == 0
+    # group 1: 1073 + 1000 + 3000 elements in 6 blocks; group 2: 7 + 4096 in 5 (the 7 shares)
+    assert [len(b) for b in made[2]] == [6, 5]
+    assert counts["aten::_foreach_addcdiv_"] == 11

@@ -58,8 +58,9 @@ def global_grad_norm(
         squares = torch.zeros((), dtype=torch.float64, device=device)
     # telemetry: a rank that arrives first waits here for the slowest; that wait is not the
     # optimizer's work (booked to it, it would make the waiting ranks look like stragglers)
-    with comm_span("optimizer_comm"):
-        dist.all_reduce(squares, group=group)
+    if dist.get_world_size(group) > 1:  # one process: the sum is its own (no gloo call)
+        with comm_span("optimizer_comm"):
+            dist.all_reduce(squares, group=group)
     return squares.sqrt()
 
 

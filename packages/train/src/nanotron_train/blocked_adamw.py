@@ -10,6 +10,15 @@ blocks stay in the core's cache between the passes. Elementwise operations do no
 where a block starts, so the results are bitwise those of `torch.optim.AdamW(foreach=False)`
 (and of foreach, which torch keeps bitwise equal to it); the optimizer state lives in the
 torch optimizer as usual (same keys, same checkpoints). GPUs keep torch's foreach kernels.
+
+A block holds up to BLOCK elements of one or several parameters (a large one is cut into
+blocks; small ones, such as norm weights, share one), and each pass over a block is one
+`torch._foreach_*` call over its slices: a model with many small parameters pays a few calls
+per block instead of five Python-level calls per parameter. The blocks' views are made once
+and reused while the parameters, gradients and moments stay the same tensors. The step's
+scalars (decay factor, bias correction, beta2, eps) are 0-d fp32 tensors: an op given a
+Python float first copies it into such a tensor, one scalar copy per call; the value is the
+same fp32 number either way.
 """
 
 from __future__ import annotations
@@ -32,32 +41,95 @@ def _state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     return state
 
 
+def _scalar(value: float) -> torch.Tensor:
+    return torch.scalar_tensor(value, dtype=torch.float32)  # one op, no copy
+
+
+Block = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def _blocks(params: list[torch.Tensor], states: list[dict], block: int) -> list[Block]:
+    """(parameters, gradients, exp_avg, exp_avg_sq) slices, up to `block` elements per block,
+    in order. Views: an in-place update must never land in a copy (the gradient only read)."""
+    out: list[Block] = []
+    fill = block
+    for p, state in zip(params, states):
+        flat = [p.view(-1), p.grad.reshape(-1)]
+        flat += [state[k].view(-1) for k in ("exp_avg", "exp_avg_sq")]
+        lo = 0
+        while lo < p.numel():
+            if fill == block:
+                out.append(([], [], [], []))
+                fill = 0
+            hi = min(p.numel(), lo + block - fill)
+            for dst, t in zip(out[-1], flat):
+                dst.append(t[lo:hi])
+            fill += hi - lo
+            lo = hi
+    return out
+
+
+def _cached_blocks(opt, group_index: int, params, states, block: int) -> list[Block]:
+    """`_blocks`, made again only when a tensor or the set of stepped parameters changes (the
+    key holds the tensors themselves, so no id is reused while it is kept). A non-contiguous
+    gradient's flat view is a copy, remade every step: never kept."""
+    if not all(p.grad.is_contiguous() for p in params):
+        return _blocks(params, states, block)
+    cache = opt.__dict__.setdefault("_nanotron_blocks", {})
+    key = [t for p, st in zip(params, states) for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+    hit = cache.get(group_index)
+    same = hit is not None and hit[0] == block and len(hit[1]) == len(key)
+    if same and all(a is b for a, b in zip(hit[1], key)):
+        return hit[2]
+    made = _blocks(params, states, block)
+    cache[group_index] = (block, key, made)
+    return made
+
+
+def _step_blocks(blocks: list[Block], group: dict, tensors: dict, step: float) -> None:
+    """AdamW's passes on each block, in torch's per-tensor order (`tensors`: the 0-d
+    `decay` (None without weight decay), `beta2` and `eps`)."""
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    decay, eps = tensors["decay"], tensors["eps"]
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = _scalar((1 - beta2**step) ** 0.5)
+    for params, grads, exp_avgs, exp_avg_sqs in blocks:
+        if decay is not None:
+            torch._foreach_mul_(params, decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, tensors["beta2"])
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, [eps] * len(denom))  # (one 0-d tensor: read as a float)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
+
+
 @torch.no_grad()
 def blocked_adamw_step(opt: torch.optim.AdamW, block: int = BLOCK) -> None:
     """One step of `opt` (an AdamW without amsgrad, maximize or complex parameters) over the
     parameters that have a gradient, block by block."""
-    for group in opt.param_groups:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = _state(opt, p)
-            state["step"] += 1
-            step = state["step"].item()  # a host tensor: no device sync
-            step_size = lr / (1 - beta1**step)
-            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-            # view: an in-place update must never land in a copy (the gradient is only read)
-            flat = [p.view(-1), p.grad.reshape(-1)]
-            flat += [state[k].view(-1) for k in ("exp_avg", "exp_avg_sq")]
-            for lo in range(0, p.numel(), block):
-                param, grad, exp_avg, exp_avg_sq = (t[lo : lo + block] for t in flat)
-                if wd != 0:
-                    param.mul_(1 - lr * wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                param.addcdiv_(exp_avg, denom, value=-step_size)
+    one = _scalar(1.0)
+    for gi, group in enumerate(opt.param_groups):
+        lr, wd = group["lr"], group["weight_decay"]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [_state(opt, p) for p in params]
+        step_tensors = [s["step"] for s in states]
+        torch._foreach_add_(step_tensors, [one] * len(step_tensors))
+        steps = [t.item() for t in step_tensors]  # host tensors: no device sync
+        tensors = {
+            "decay": _scalar(1 - lr * wd) if wd != 0 else None,
+            "beta2": _scalar(group["betas"][1]),
+            "eps": _scalar(group["eps"]),
+        }
+        if len(set(steps)) == 1:  # always, unless a parameter went without a gradient
+            blocks = _cached_blocks(opt, gi, params, states, block)
+            _step_blocks(blocks, group, tensors, steps[0])
+            continue
+        for p, state, step in zip(params, states, steps):  # each its own bias correction
+            _step_blocks(_blocks([p], [state], block), group, tensors, step)
 
 
 def supports_blocked(opt: torch.optim.Optimizer) -> bool:
