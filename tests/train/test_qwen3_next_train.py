@@ -2,7 +2,9 @@
 experts with a gated shared expert and one dense MLP, document masking on the packed synthetic
 documents, a delta-rule chunk that does not divide the sequence) trains the same model in
 every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2 sequence
-parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 with the experts over ep=2."""
+parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 with the experts over ep=2, cp=2 x tp=2 (the Gated
+DeltaNet conv halo and state maps passed across cp ranks, cp chunks of 8 tokens against a
+delta-rule chunk of 12)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def qwen3_next_config(layout: dict) -> dict:
     par = data["parallelism"]
     par.update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], tp_mode=layout["mode"])
     par["expert_parallel_size"] = layout.get("ep", 1)
+    par["context_parallel_size"] = layout.get("cp", 1)
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
     return data
 
@@ -50,7 +53,7 @@ def _train(layouts: list[dict]) -> list[dict]:
     for layout in layouts:
         cfg = config_from_dict(qwen3_next_config(copy.deepcopy(layout)), "q", world_size=None)
         pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                             ep=layout.get("ep", 1))  # fmt: skip
+                             ep=layout.get("ep", 1), cp=layout.get("cp", 1))  # fmt: skip
         try:
             records: list[dict] = []
             Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
@@ -74,6 +77,7 @@ def test_qwen3_next_layouts_equal_one_process():
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1},
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "ep": 2},
+        {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
     ]
     results = run_distributed(_train_shared, 4, layouts, timeout=300)[0]
     assert len(ref["loss"]) == STEPS and all(math.isfinite(x) for x in ref["loss"])

@@ -20,11 +20,12 @@ from nanotron_parallel.sharding import ParamMeta, set_param_meta
 from nanotron_parallel.tensor_parallel import copy_to_tp
 
 from ..blocks import MLP
-from ..config import ModelConfigError
 from ..kv_cache import KVCache
 from ..mamba2_hybrid.layers import RESET_KEY, HybridLayer
 from ..masks import DOCUMENT_IDS_KEY
 from ..mixers.gated_deltanet import GatedDeltaNetDims, GatedDeltaNetMixer, GatedDeltaNetState
+from ..mixers.gated_deltanet_cp import context_parallel_mix
+from ..mixers.mamba2_cp import local_reset_mask
 from ..mixers.ssd_scan import compute_dtype
 from ..moe import MoEBlock
 from ..rotary import RotaryTable
@@ -68,6 +69,22 @@ class TPGatedDeltaNetMixer(GatedDeltaNetMixer):
             if name in marks:
                 shape, sections = marks[name]
                 set_param_meta(param, ParamMeta(shape, 0, sections, rank, tp))
+        self.cp_group, self.cp_size, self.cp_native = None, 1, None
+
+    def set_context_parallel(self, group, size: int, native_reduce_scatter: bool | None) -> None:
+        """Hold 1/cp of every sequence (attention's zigzag chunks): the conv halo and the
+        delta rule's affine state maps cross cp ranks (mixers/gated_deltanet_cp.py) so the
+        result equals one process's."""
+        self.cp_group, self.cp_size, self.cp_native = group, size, native_reduce_scatter
+
+    def forward_cp(self, x: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+        """[L, b, h] of this cp rank's chunks -> [L, b, h]; `document_ids` the whole
+        sequence's [b, S] (the batch keeps them whole under context parallel)."""
+        rank = dist.get_rank(self.cp_group)
+        reset = None if document_ids is None else local_reset_mask(document_ids, rank, self.cp_size)
+        mixed = context_parallel_mix(self, x.transpose(0, 1), self.cp_group, reset,
+                                     native_reduce_scatter=self.cp_native)  # fmt: skip
+        return self.out_proj(mixed.transpose(0, 1))
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """As GatedDeltaNetMixer.project, the leading dims read from the projections' output:
@@ -126,25 +143,22 @@ class Qwen3NextLayer(HybridLayer):
             self.mlp: nn.Module = MoEBlock(c, layer, group, mode, dispatcher, **kw)
         else:
             self.mlp = MLP(c, group, mode, **kw)
-        self.cp_size = 1
 
     def set_context_parallel(self, group, size: int, native_reduce_scatter, attention) -> None:
-        """Attention reaches the other cp ranks' keys and values; the MoE balance statistics
-        sum over the cp ranks' tokens. Gated DeltaNet layers under cp: not built yet."""
-        if size > 1 and self.kind == "G":
-            raise ModelConfigError(
-                "parallelism.context_parallel_size > 1 is not supported yet for Gated DeltaNet "
-                "layers (Qwen3-Next's linear_attention): use context_parallel_size 1"
-            )
-        self.cp_size = size
+        """Attention reaches the other cp ranks' keys and values, Gated DeltaNet passes its
+        conv halo and state maps; the MoE balance statistics sum over the cp ranks' tokens."""
         if self.kind == "*":
             self.mixer.set_context_parallel(group, size, native_reduce_scatter, attention)
+        else:
+            self.mixer.set_context_parallel(group, size, native_reduce_scatter)
         if self.ffn == "E":
             self.mlp.set_context_parallel(group, size)
 
     def forward(self, x: torch.Tensor, batch: Batch, *, decode_state=None) -> torch.Tensor:
         h = self.input_norm(x)
-        if self.kind == "G":
+        if self.kind == "G" and self.mixer.cp_size > 1 and decode_state is None:
+            out = self.mixer.forward_cp(h, batch.get(DOCUMENT_IDS_KEY))
+        elif self.kind == "G":
             state = None if decode_state is None else decode_state.ssm.get(self.layer)
             out, new = self.mixer.forward_seq_first(h, batch.get(RESET_KEY), state)
             if decode_state is not None:

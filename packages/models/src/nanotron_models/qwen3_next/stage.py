@@ -69,8 +69,17 @@ class Qwen3NextStage(HybridStage):
         self.set_fused_loss(True)
 
     def set_context_parallel(self, group, size: int, native_reduce_scatter=None, attention=None):
-        """Train on 1/cp of every sequence: attention layers reach the other cp ranks' keys
-        and values by `attention`; Gated DeltaNet layers refuse cp > 1 (not built yet)."""
+        """Train on 1/cp of every sequence (nanotron_parallel.context_parallel's zigzag
+        chunks): attention layers reach the other cp ranks' keys and values by `attention`,
+        Gated DeltaNet layers pass their conv halo and state maps across ranks
+        (mixers/gated_deltanet_cp.py), which needs ALL_REDUCE (their batch-first projections
+        cannot gather a sequence-parallel input)."""
+        has_g = any(layer.kind == "G" for layer in self.decoder.values())
+        if size > 1 and has_g and self.tp_mode == TensorParallelLinearMode.REDUCE_SCATTER:
+            raise ModelConfigError(
+                "parallelism.tp_mode REDUCE_SCATTER with context_parallel_size > 1 is not "
+                "supported for Gated DeltaNet layers: use ALL_REDUCE"
+            )
         for layer in self.decoder.values():
             layer.set_context_parallel(group, size, native_reduce_scatter, attention)
         self.cp_size = size
