@@ -88,6 +88,10 @@ class MambaConfig(DecoderConfig):
     def layer_kind(self, layer: int) -> str:
         return "M"
 
+    # no attention: no key/value heads for the memory model's context-parallel gather
+    n_kv_heads = 0
+    head_dim = 0
+
     @property
     def mamba_dims(self) -> Mamba1Dims:
         return Mamba1Dims(
