@@ -203,6 +203,8 @@ SHARED = {
     ("nanotron_models.init", "full_tensor"),
     ("nanotron_models.blocks", "Loss"),  # the loss block (the trainer sums its z-loss)
     ("nanotron_models.blocks", "MLP"),  # the `-` layer, a MoE layer's shared expert
+    ("nanotron_models.blocks", "RMSNorm"),  # every family's norm (stage_plumbing.py's tp mode)
+    ("nanotron_models.blocks", "linear_mode"),
 }
 
 

@@ -6,7 +6,6 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from nanotron_parallel.compile_boundary import prepare_compile
 from nanotron_parallel.sharding import (
@@ -14,11 +13,7 @@ from nanotron_parallel.sharding import (
     get_param_meta,
 )
 from nanotron_parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelLinearMode,
-    VocabParallelEmbedding,
-    gather_from_tp,
 )
 
 from .attention import resolve_backend
@@ -33,9 +28,10 @@ from .materialise import load_full_tensors, materialise, missing_parameters
 from .moe import MoEBlock, moe_layers_of
 from .parametrization import Multipliers, Parametrization, multipliers
 from .rotary import RotaryTable
+from .stage_plumbing import StagePlumbing, checkpointed
 
 
-class LlamaStage(nn.Module):
+class LlamaStage(StagePlumbing, nn.Module):
     """Some contiguous blocks of the Llama. Submodules `embedding`, `decoder` (ModuleDict keyed
     by the global layer index), `final_norm`, `lm_head`, `loss`: each only if in block_names.
 
@@ -104,35 +100,6 @@ class LlamaStage(nn.Module):
         self.fused_loss = False
         self.set_fused_loss(True)
 
-    def block(self, name: str) -> nn.Module:
-        if name.startswith("decoder."):
-            return self.decoder[name.split(".", 1)[1]]
-        return getattr(self, name)
-
-    def set_tp_mode(
-        self,
-        mode: str | TensorParallelLinearMode,
-        async_communication: bool = False,
-        tensor_collectives: bool | None = None,
-        recompute_allgather: bool = False,
-    ) -> None:
-        """Switch every tp layer and norm of the stage to `mode`; `async_communication` (only
-        REDUCE_SCATTER) overlaps the linears' collectives with their matmuls;
-        `tensor_collectives` runs native reduce-scatters (None: under NCCL only);
-        `recompute_allgather` (REDUCE_SCATTER) makes the column-parallel linears keep only
-        their input shard and gather it again in the backward."""
-        mode = linear_mode(mode)
-        self.tp_mode = mode
-        for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.set_communication(
-                    mode, async_communication, tensor_collectives, recompute_allgather
-                )
-            elif isinstance(module, VocabParallelEmbedding):
-                module.set_communication(mode, tensor_collectives)
-            elif isinstance(module, (RMSNorm, MoEBlock)):
-                module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
-
     def set_context_parallel(
         self,
         group,
@@ -152,21 +119,6 @@ class LlamaStage(nn.Module):
                 layer.mlp.set_context_parallel(group, size)
         if hasattr(self, "loss"):
             self.loss.cp_size = size
-
-    def set_recompute(self, enabled: bool) -> None:
-        """Run each decoder layer under non-reentrant activation checkpointing: its activations
-        are dropped after the forward and recomputed in the backward (RNG state restored);
-        only the layer's input stays alive. Every tp rank recomputes the same layers in the
-        same order, so the collectives inside still match."""
-        self.recompute = enabled
-
-    def set_fused_loss(self, enabled: bool) -> None:
-        """On (the default): a stage holding the lm_head and the loss computes them together,
-        chunk by chunk over tokens, without the fp32 logits of the whole vocab
-        (`Loss.from_hidden`); the lm_head block then passes its input through. Off: the
-        lm_head returns the logit shard and the loss reads it. Same loss and gradients up to
-        float rounding."""
-        self.fused_loss = bool(enabled) and {"lm_head", "loss"} <= set(self.block_names)
 
     def compile_layers(self) -> None:
         """`torch.compile` each decoder layer in place (nn.Module.compile: names unchanged).
@@ -188,24 +140,9 @@ class LlamaStage(nn.Module):
                 layer.compile(dynamic=False)
             return
         self._compiled_checkpoints = {
-            key: torch.compile(functools.partial(_checkpointed, layer), dynamic=False)
+            key: torch.compile(functools.partial(checkpointed, layer), dynamic=False)
             for key, layer in self.decoder.items()
         }
-
-    def called_blocks(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-        """The blocks `forward` calls, in order, each with the parameters it reads (ZeRO-3
-        gathers those around the call). With the fused loss the lm_head block is not called:
-        the loss block reads its weight."""
-        out = []
-        for name in self.block_names:
-            if self.fused_loss and name == "lm_head":
-                continue
-            block = self.block(name)
-            if self.fused_loss and name == "loss":
-                out.append((block, list(self.lm_head.parameters())))
-            else:
-                out.append((block, list(block.parameters())))
-        return out
 
     def with_document_ids(self, batch: Batch) -> Batch:
         """The batch with its document ids when a layer masks documents and the data gave
@@ -234,7 +171,7 @@ class LlamaStage(nn.Module):
                 x = block(x, batch, head=self.lm_head)  # Loss.from_hidden
             elif recompute and isinstance(block, DecoderLayer):
                 compiled = self._compiled_checkpoints.get(name.split(".", 1)[1])
-                x = compiled(x, batch) if compiled else _checkpointed(block, x, batch)
+                x = compiled(x, batch) if compiled else checkpointed(block, x, batch)
             else:
                 x = block(x, batch)
         assert x is not None
@@ -315,16 +252,6 @@ class LlamaStage(nn.Module):
                 x = block(x, batch)
         assert x is not None
         return x
-
-    def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
-        """Full logits [s, b, vocab] from the lm_head's shard (gathered over tp, vocab padding
-        dropped)."""
-        return gather_from_tp(shard, self.pc.tp_group, dim=-1)[..., : self.config.vocab_size]
-
-
-def _checkpointed(layer: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """`layer(x, batch)` under non-reentrant activation checkpointing (RNG state restored)."""
-    return checkpoint(layer, x, batch, use_reentrant=False, preserve_rng_state=True)
 
 
 def build_llama_stage(

@@ -13,15 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from nanotron_parallel.compile_boundary import prepare_compile
 from nanotron_parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelLinearMode,
-    VocabParallelEmbedding,
-    gather_from_tp,
 )
 
 from ..attention import resolve_backend
@@ -30,7 +25,7 @@ from ..config import ATTN_BACKENDS, ModelConfigError
 from ..masks import DOCUMENT_IDS_KEY, document_ids
 from ..materialise import materialise
 from ..mixers import reset_mask_from_document_ids
-from ..moe import MoEBlock
+from ..stage_plumbing import StagePlumbing, checkpointed
 from .config import Mamba2HybridConfig
 from .layers import RESET_KEY, HybridLayer
 from .spec import fill_head_params, hybrid_block_names, hybrid_init_spec
@@ -38,10 +33,11 @@ from .spec import fill_head_params, hybrid_block_names, hybrid_init_spec
 Batch = dict[str, torch.Tensor]
 
 
-class HybridStage(nn.Module):
+class HybridStage(StagePlumbing, nn.Module):
     """Submodules `embedding`, `decoder` (ModuleDict by global layer index), `final_norm`,
     `lm_head`, `loss`, each only if in block_names; options set after building, as
-    LlamaStage's (parallelize.py calls them), never renaming a parameter."""
+    LlamaStage's (parallelize.py calls them; the layer-independent ones in StagePlumbing),
+    never renaming a parameter."""
 
     def __init__(
         self, config: Mamba2HybridConfig, pc, block_names, tp_mode, backend, device, dtype,
@@ -75,27 +71,7 @@ class HybridStage(nn.Module):
         self.fused_loss = False
         self.set_fused_loss(True)
 
-    def block(self, name: str) -> nn.Module:
-        return (
-            self.decoder[name.split(".", 1)[1]]
-            if name.startswith("decoder.")
-            else getattr(self, name)
-        )
-
     # ---- composition (parallelize.py) ----
-    def set_tp_mode(self, mode, async_communication=False, tensor_collectives=None,
-                    recompute_allgather=False) -> None:  # fmt: skip
-        """Every tp layer and norm to `mode` (see LlamaStage.set_tp_mode)."""
-        self.tp_mode = mode = linear_mode(mode)
-        for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.set_communication(mode, async_communication, tensor_collectives,
-                                         recompute_allgather)  # fmt: skip
-            elif isinstance(module, VocabParallelEmbedding):
-                module.set_communication(mode, tensor_collectives)
-            elif isinstance(module, (RMSNorm, MoEBlock)):
-                module.sequence_parallel = mode == TensorParallelLinearMode.REDUCE_SCATTER
-
     def set_context_parallel(self, group, size: int, native_reduce_scatter=None, attention=None):
         """Train on 1/cp of every sequence (nanotron_parallel.context_parallel's zigzag
         chunks): attention layers reach the other cp ranks' keys and values by `attention`,
@@ -119,12 +95,6 @@ class HybridStage(nn.Module):
         if hasattr(self, "loss"):
             self.loss.cp_size = size
 
-    def set_recompute(self, enabled: bool) -> None:
-        self.recompute = enabled
-
-    def set_fused_loss(self, enabled: bool) -> None:
-        self.fused_loss = bool(enabled) and {"lm_head", "loss"} <= set(self.block_names)
-
     def compile_layers(self) -> None:
         """torch.compile each layer (the checkpointed call as a whole under recompute)."""
         param = next(self.parameters())
@@ -137,23 +107,9 @@ class HybridStage(nn.Module):
                 layer.compile(dynamic=False)
             return
         self._compiled = {
-            key: torch.compile(functools.partial(_checkpointed, layer), dynamic=False)
+            key: torch.compile(functools.partial(checkpointed, layer), dynamic=False)
             for key, layer in self.decoder.items()
         }
-
-    def called_blocks(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-        out = []
-        for name in self.block_names:
-            if self.fused_loss and name == "lm_head":
-                continue
-            block = self.block(name)
-            params = (
-                self.lm_head.parameters()
-                if self.fused_loss and name == "loss"
-                else block.parameters()
-            )
-            out.append((block, list(params)))
-        return out
 
     # ---- training ----
     def prepared(self, batch: Batch) -> Batch:
@@ -184,7 +140,7 @@ class HybridStage(nn.Module):
                 x = block(x, batch, head=self.lm_head)
             elif recompute and isinstance(block, HybridLayer):
                 compiled = self._compiled.get(name.split(".", 1)[1])
-                x = compiled(x, batch) if compiled else _checkpointed(block, x, batch)
+                x = compiled(x, batch) if compiled else checkpointed(block, x, batch)
             else:
                 x = block(x, batch)
         assert x is not None
@@ -237,13 +193,6 @@ class HybridStage(nn.Module):
                 x = block(x, batch)
         assert x is not None
         return x
-
-    def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
-        return gather_from_tp(shard, self.pc.tp_group, dim=-1)[..., : self.config.vocab_size]
-
-
-def _checkpointed(layer: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    return checkpoint(layer, x, batch, use_reentrant=False, preserve_rng_state=True)
 
 
 def build_hybrid_stage(
