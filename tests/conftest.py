@@ -10,10 +10,13 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 # The distributed tests' children fork from a server that imported these once (see
-# nanotron_parallel.testing): most tests' ranks build a model or a trainer.
+# nanotron_parallel.testing): most tests' ranks build a model or a trainer. torch._dynamo:
+# torch.optim imports it on a trainer's first optimizer (its @_disable_dynamo wrappers), ~1.3 s
+# of CPU in every child otherwise.
 from nanotron_parallel.testing import preload  # noqa: E402
 
 preload(
+    "torch._dynamo",
     "nanotron_models",
     "nanotron_train.trainer",
     "nanotron_train.config",

@@ -1,8 +1,10 @@
 """Under plain `torchrun --nproc_per_node=8 -m nanotron_train --config-file bad.yaml` a config
 error is printed once, every time, whichever rank stops first (launching/first_report.py):
-an unknown key, a wrong type and an unknown pp_engine, each launched as is (any rank may exit
-first) and with local rank 0 held back (another rank surely exits first and torchrun stops rank
-0: where rank 0 alone printed, the line was lost every time)."""
+an unknown key, a wrong type and an unknown pp_engine, each launched with local rank 0 held back
+(another rank surely exits first and torchrun stops rank 0: where rank 0 alone printed, the
+line was lost every time), and the unknown key also launched as is (any rank may exit first).
+The kinds share one path (the config's load, before any rank starts work), so the plain launch,
+8 processes' start-up, is not repeated for each."""
 
 from __future__ import annotations
 
@@ -44,22 +46,30 @@ def torchrun(module: str, config: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("make_error", [_unknown_key, _wrong_type, _unknown_engine])
-def test_config_error_is_printed_once_whichever_rank_exits_first(tmp_path, make_error):
+def check_printed_once(tmp_path: Path, make_error, module: str) -> None:
     data = small_config(tmp_path, parallelism__dp=8)
     expected = make_error(data)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))
     line = f"error: {path}: {expected}"
-    for module in ("nanotron_train", "tests.train.staggered_main"):
-        proc = torchrun(module, path)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 1, output[-3000:]  # torchrun's status for a failed worker
-        assert output.count(f"error: {path}:") == 1, f"{module}:\n{output[-3000:]}"
-        assert line in output
-        assert "exitcode: 2" in output  # the first worker to exit exited with the user error
-        assert 'File "' + str(REPO / "packages") not in output  # no traceback of ours
+    proc = torchrun(module, path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]  # torchrun's status for a failed worker
+    assert output.count(f"error: {path}:") == 1, f"{module}:\n{output[-3000:]}"
+    assert line in output
+    assert "exitcode: 2" in output  # the first worker to exit exited with the user error
+    assert 'File "' + str(REPO / "packages") not in output  # no traceback of ours
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_error", [_unknown_key, _wrong_type, _unknown_engine])
+def test_config_error_is_printed_once_with_rank_0_held_back(tmp_path, make_error):
+    check_printed_once(tmp_path, make_error, "tests.train.staggered_main")
+
+
+@pytest.mark.slow
+def test_config_error_is_printed_once_whichever_rank_exits_first(tmp_path):
+    check_printed_once(tmp_path, _unknown_key, "nanotron_train")
 
 
 def test_a_marker_folder_that_is_not_private_never_hides_the_line(tmp_path, monkeypatch, capsys):
