@@ -3,7 +3,8 @@ Nemotron-H's experts with a grouped sigmoid router; document masking on the pack
 documents, a chunk size that does not divide the sequence) trains the same model in every
 layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2
 sequence-parallel with the pattern split over the stages, dp=2 x tp=2 x ep=2 ZeRO-3 with
-recompute (the experts split over ep), dp=2 x pp=2 ZeRO-1 (zbv, the zero-bubble V), cp=2 x tp=2
+recompute (the experts split over ep), dp=2 x tp=2 ZeRO-1 with Muon (against one process's
+Muon run: in_proj orthogonalised section by section from tp shards), dp=2 x pp=2 ZeRO-1 (zbv, the zero-bubble V), cp=2 x tp=2
 and cp=4 (the Mamba-2 state and conv halo passed across cp ranks, chunks of 8 and 4 tokens
 against a scan chunk of 12); one process's checkpoint resumes at
 tp=2 x pp=2 with the same next step; greedy generation at tp=2 x pp=2 equals one process's; its command-line run's loss falls; its step has no host
@@ -53,6 +54,8 @@ def hybrid_config(layout: dict) -> dict:
     par["context_parallel_size"] = layout.get("cp", 1)
     par["expert_parallel_size"] = layout.get("ep", 1)
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
+    if layout.get("muon"):  # Muon for the hidden 2-D weights (in_proj section by section)
+        data["optimizer"]["optimizer_factory"]["name"] = "muon"
     if "save" in layout:  # a checkpoint at step 2
         data["checkpoints"].update(checkpoints_path=layout["save"], checkpoint_interval=2)
     if "resume" in layout:
@@ -113,7 +116,8 @@ def _train_and_generate(layouts: list[dict]) -> tuple[list[dict], list[list[int]
 def test_hybrid_layouts_equal_one_process(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     with shared_default_group():
-        ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt}])[0]
+        ref, muon_ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt},
+                                {"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "muon": True}])  # fmt: skip
         one_process_tokens = _generate(1, 1)
     resumed = {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "resume": f"{ckpt}/2"}
     layouts = [
@@ -122,6 +126,7 @@ def test_hybrid_layouts_equal_one_process(tmp_path):
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "zbv"},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
         {"dp": 1, "tp": 1, "pp": 1, "cp": 4, "mode": "ALL_REDUCE"},
+        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 1, "muon": True},
     ]
     (*results, after), tokens = run_distributed(
         _train_and_generate, 4, [*layouts, resumed], timeout=300
@@ -135,10 +140,12 @@ def test_hybrid_layouts_equal_one_process(tmp_path):
         and len(ref["loss"]) == STEPS
         and all(math.isfinite(x) for x in ref["loss"])
     )
+    assert muon_ref["loss"][1:] != ref["loss"][1:]  # Muon's steps are not AdamW's
     for layout, res in zip(layouts, results, strict=True):
+        want = muon_ref if layout.get("muon") else ref
         for key in ("loss", "norm"):
-            for a, b in zip(res[key], ref[key], strict=True):
-                assert abs(a - b) <= 1e-5 * abs(b), (layout, key, res[key], ref[key])
+            for a, b in zip(res[key], want[key], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (layout, key, res[key], want[key])
 
 
 def test_hybrid_config_trains_from_the_command_line(tmp_path):
