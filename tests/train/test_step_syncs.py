@@ -41,10 +41,20 @@ def _events(fn) -> tuple[dict[str, int], object]:
         name = e.name
         if name in SYNC_OPS and _in_optimizer(e):
             name += " (optimizer step counter)"
+        if name == "aten::linalg_vector_norm" and _under(e, "RMSNormFunction"):
+            name += " (RMSNorm's sum of squares)"  # not the gradient norm's
         if name in ("aten::zero_", "aten::fill_") and e.input_shapes and e.input_shapes[0]:
             name += f" numel={math.prod(e.input_shapes[0])}"  # which buffer it cleared
         counts[name] = counts.get(name, 0) + 1
     return counts, value
+
+
+def _under(event, range_name: str) -> bool:
+    while event is not None:
+        if event.name == range_name:
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def _in_optimizer(event) -> bool:
