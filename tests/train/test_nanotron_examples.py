@@ -333,17 +333,37 @@ def _mamba_curves(layouts: list[dict]) -> list[dict]:
                 pc.destroy()
             out.append({"loss": [r["lm_loss"] for r in recs],
                         "norm": [r["grad_norm"] for r in recs]})  # fmt: skip
+        out.append(_mamba_greedy(dist.get_world_size()))
     return out
+
+
+def _mamba_greedy(tp: int) -> list[list[int]]:
+    """Greedy tokens of the example's model (random, std 0.3) built at tp: decoding carries
+    each layer's conv and SSM state, x_proj summed over tp at each token too."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.config.load import load_config
+    from nanotron_train.inference.decoding import generate
+    from nanotron_train.model_factory import build_family_stage
+
+    cfg = load_config(HERE / "config_mamba.yaml", _mamba_layout_overrides({}))
+    pc = ParallelContext(tp=tp)
+    try:
+        stage = build_family_stage(cfg.model.model_config, pc, 32, seed=3, init_std=0.3)
+        return generate(stage, [[5, 9, 11, 3, 17], [7, 21]], max_new_tokens=5).tokens
+    finally:
+        pc.destroy()
 
 
 def test_nanotron_mamba_example_layouts_equal_one_process():
     """The example in float32 at tp=2 (Nanotron's example is wrong there: it does not sum
     x_proj's partial products over tp), sequence parallel and pp=2 with recompute, in one
-    world-2 launch: each step's loss and grad norm equal one process's (1e-5)."""
+    world-2 launch: each step's loss and grad norm equal one process's (1e-5), and greedy
+    generation at tp=2 is token for token one process's."""
     from nanotron_parallel.testing import run_distributed
 
-    ref = _mamba_curves([{}])[0]
-    results = run_distributed(_mamba_curves, 2, LAYOUTS, timeout=300)[0]
+    ref, one_process_tokens = _mamba_curves([{}])
+    *results, tokens = run_distributed(_mamba_curves, 2, LAYOUTS, timeout=300)[0]
+    assert tokens == one_process_tokens  # greedy decoding at tp=2
     assert len(ref["loss"]) == 2 and all(math.isfinite(x) for x in ref["loss"])
     for layout, res in zip(LAYOUTS, results, strict=True):
         for key in ("loss", "norm"):
