@@ -38,6 +38,9 @@ def sft_config(layout: dict) -> dict:
     raw["tokens"]["batch_accumulation_per_replica"] = layout["accum"]
     raw["checkpoints"]["checkpoints_path"] = None
     raw["logging"]["metrics_file"] = None
+    raw["validation"] = {"dataset": {"hf_dataset_or_datasets": str(DATA / "chat.jsonl"),
+                                     "sft_dataloader": True, "debug_max_samples": 10}}  # fmt: skip
+    raw["tokens"]["val_check_interval"] = -1  # the held-out answers' loss after the last step
     raw["parallelism"].update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
     raw["parallelism"]["context_parallel_size"] = layout.get("cp", 1)
     return raw
@@ -64,6 +67,7 @@ def _train(layouts: list[dict]) -> list[dict]:
             pc.destroy()
         keys = ("lm_loss", "grad_norm", "labelled_tokens")
         out.append({k: [r[k] for r in records] for k in keys})
+        out[-1]["val_loss"] = [records[-1]["val_loss"]]
     return out
 
 
@@ -88,7 +92,7 @@ def test_sft_layouts_equal_one_process():
     results = run_distributed(run_layouts, 2, LAYOUTS, timeout=300)[0]
     for layout, res in zip(LAYOUTS, results, strict=True):
         assert res["labelled_tokens"] == ref["labelled_tokens"], layout
-        for key in ("lm_loss", "grad_norm"):
+        for key in ("lm_loss", "grad_norm", "val_loss"):
             for a, b in zip(res[key], ref[key], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (layout, key, res[key], ref[key])
 
@@ -202,3 +206,28 @@ def test_sft_step_has_no_host_sync():
             pc.destroy()
     assert {op: step.get(op, 0) for op in SYNC_OPS} == dict.fromkeys(SYNC_OPS, 0), step
     assert trainer.records.labelled_steps == 2 and int(trainer.records.labelled) > 0
+
+
+def test_held_out_sft_loss_is_the_token_weighted_loss_of_its_answers(sft_batches):
+    """validation.dataset with sft_dataloader: the Evaluator's val_loss over the held-out rows
+    (two validation batches, the last padded with rows without labels) is the sum of their
+    answer tokens' losses over their count."""
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.data.source import build_validation_data
+    from nanotron_train.eval.evaluation import Evaluator
+
+    _, make, pc = sft_batches
+    cfg = config_from_dict(sft_config(ONE), "sft.yaml", world_size=None)
+    data = build_validation_data(cfg, pc, None)
+    rows = data.rows
+    assert data.num_batches == 2 and len(rows["input_ids"]) % 4 != 0  # a padded last batch
+    model = make()
+    got = Evaluator(model, pc, "1f1b", data).evaluate()
+    with torch.no_grad():
+        total = sum(
+            float(model(None, {k: torch.from_numpy(v[i : i + 1]) for k, v in rows.items()}))
+            * int(rows["label_mask"][i].sum())
+            for i in range(len(rows["input_ids"]))
+        )
+    assert got.tokens == int(rows["label_mask"].sum())
+    assert got.loss == pytest.approx(total / got.tokens, rel=1e-6)

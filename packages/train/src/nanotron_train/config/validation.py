@@ -2,7 +2,8 @@
 keys for it.
 
 - `validation.dataset`: a separate Nanoset folder or blend, with the keys of
-  `data_stages[].data.dataset` (`dataset_folder`, `dataset_weights`, `eod_mask_loss`);
+  `data_stages[].data.dataset` (`dataset_folder`, `dataset_weights`, `eod_mask_loss`), or
+  held-out conversations (`hf_dataset_or_datasets` with `sft_dataloader: true`, data/sft.py);
 - `validation.split`: the fraction of documents of every training folder held out instead;
 - `tokens.val_check_interval` (Nanotron): steps between evaluations; -1 = only at the end;
 - `tokens.limit_val_batches` (Nanotron): validation batches (global batches) per evaluation;
@@ -20,10 +21,21 @@ from nanotron_train.data.stages import DatasetSpec
 if TYPE_CHECKING:
     from nanotron_train.config.schema import Config
 _USED = ("dataset_folder", "dataset_weights", "eod_mask_loss")
+# held-out conversations (data/sft.py): the SFT keys of data_stages[].data.dataset
+_USED_SFT = ("hf_dataset_or_datasets", "sft_dataloader", "debug_max_samples", "chat_template")
 
 
 def _split(cfg: Config) -> bool:
     return cfg.validation is not None and cfg.validation.split is not None
+
+
+def _names(keys: tuple[str, ...]) -> str:
+    return ", ".join(keys[:-1]) + " and " + keys[-1]
+
+
+def _sft(cfg: Config) -> bool:
+    """`validation.dataset` holds conversations (SFT), not tokenized folders."""
+    return _folder(cfg) and cfg.validation.dataset.is_sft
 
 
 def _folder(cfg: Config) -> bool:
@@ -34,11 +46,12 @@ def _folder(cfg: Config) -> bool:
 def _unused_key(cfg: Config) -> str | None:
     """The first key of `validation.dataset` given that validation does not read."""
     spec, defaults = cfg.validation.dataset, DatasetSpec()
+    used = _USED_SFT if spec.is_sft else _USED
     return next(
         (
             f.name
             for f in dataclasses.fields(DatasetSpec)
-            if f.name not in _USED and getattr(spec, f.name) != getattr(defaults, f.name)
+            if f.name not in used and getattr(spec, f.name) != getattr(defaults, f.name)
         ),
         None,
     )
@@ -98,12 +111,18 @@ VALIDATION_CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "validation.dataset.dataset_folder",
-        lambda c: not _folder(c) or bool(c.validation.dataset.dataset_folder),
-        "give the tokenized folder(s) to evaluate on",
+        lambda c: not _folder(c) or _sft(c) or bool(c.validation.dataset.dataset_folder),
+        "give the tokenized folder(s) to evaluate on (or held-out conversations: "
+        "hf_dataset_or_datasets with sft_dataloader: true)",
+    ),
+    Check(
+        "validation.dataset.hf_dataset_or_datasets",
+        lambda c: not _sft(c) or bool(c.validation.dataset.hf_dataset_or_datasets),
+        "give the held-out conversations (a JSONL file or folder) to evaluate on",
     ),
     Check(
         lambda c: f"validation.dataset.{_unused_key(c)}",
         lambda c: not _folder(c) or _unused_key(c) is None,
-        "is not used by validation (only dataset_folder, dataset_weights and eod_mask_loss are)",
+        lambda c: f"is not used by validation (only {_names(_USED_SFT if _sft(c) else _USED)} are)",
     ),
 )

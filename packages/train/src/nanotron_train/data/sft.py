@@ -15,6 +15,9 @@ takes its contiguous slice; the position is the step, so resume is exact.
 
 Each micro-batch carries `labelled_tokens` (its count of labels, on the host): the trainer
 weighs the loss by tokens over the whole global batch (data/token_weighting.py).
+
+`SFTValidationData`: held-out examples (`validation.dataset` with `sft_dataloader: true`),
+packed the same way, measured by the Evaluator (eval/evaluation.py) as ValidationData is.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import json
 import logging
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from nanotron_train.data.chat import ChatFormat, _check_messages, chat_template_of, pack
 from nanotron_train.data.documents import DOCUMENT_IDS_KEY
@@ -108,6 +113,39 @@ def tokenize_examples(
     return out
 
 
+def packed_rows(
+    spec: DatasetSpec,
+    where: str,
+    sequence_length: int,
+    tokenizer_path: str | None,
+    model_vocab_size: int,
+    document_masking: bool,
+) -> dict[str, np.ndarray]:
+    """The examples of `spec`, tokenized and packed into rows (chat.pack's arrays)."""
+    if not tokenizer_path:
+        raise DataError(f"{where}: SFT data needs tokenizer.tokenizer_name_or_path")
+    tokenizer = load_tokenizer(tokenizer_path)
+    template = spec.chat_template or chat_template_of(tokenizer.path)
+    examples = read_examples(str(spec.hf_dataset_or_datasets), spec.debug_max_samples)
+    if not examples:
+        raise DataError(f"{where}: no examples")
+    tokenized = tokenize_examples(examples, tokenizer, template, where)
+    rows = pack(tokenized, sequence_length, tokenizer.eos_token_id, per_row=not document_masking)
+    if not document_masking:
+        del rows[DOCUMENT_IDS_KEY]  # the model would not read them
+    top = int(rows["input_ids"].max(initial=0))
+    if top >= model_vocab_size:
+        raise DataError(
+            f"{where}: token id {top} is outside the model's vocab_size {model_vocab_size}"
+        )
+    logger.info(
+        "data: %s: %d examples in %d rows of %d tokens, %d labelled",
+        where, len(examples), len(rows["input_ids"]), sequence_length,
+        int(rows["label_mask"].sum()),
+    )  # fmt: skip
+    return rows
+
+
 class SFTData:
     """This dp rank's SFT micro-batches of each step (see the module's docstring)."""
 
@@ -127,30 +165,11 @@ class SFTData:
         document_masking: bool,
     ) -> None:
         where = f"data stage {name!r}: {spec.hf_dataset_or_datasets}"
-        if not tokenizer_path:
-            raise DataError(f"{where}: SFT data needs tokenizer.tokenizer_name_or_path")
-        tokenizer = load_tokenizer(tokenizer_path)
-        template = spec.chat_template or chat_template_of(tokenizer.path)
-        examples = read_examples(str(spec.hf_dataset_or_datasets), spec.debug_max_samples)
-        if not examples:
-            raise DataError(f"{where}: no examples")
-        tokenized = tokenize_examples(examples, tokenizer, template, where)
-        self.rows = pack(
-            tokenized, sequence_length, tokenizer.eos_token_id, per_row=not document_masking
+        self.rows = packed_rows(
+            spec, where, sequence_length, tokenizer_path, model_vocab_size, document_masking
         )
-        if not document_masking:
-            del self.rows[DOCUMENT_IDS_KEY]  # the model would not read them
-        top = int(self.rows["input_ids"].max(initial=0))
-        if top >= model_vocab_size:
-            raise DataError(
-                f"{where}: token id {top} is outside the model's vocab_size {model_vocab_size}"
-            )
         self.labels_per_row = self.rows["label_mask"].sum(axis=1)
         n = len(self.labels_per_row)
-        logger.info(
-            "data: stage %r: %d examples in %d rows of %d tokens, %d labelled",
-            name, len(examples), n, sequence_length, int(self.labels_per_row.sum()),
-        )  # fmt: skip
         self.sampler = ShuffledSamples(n, seed, 0, f"stage {name!r}", log=dp_rank == 0)
         self.micro_batch_size, self.accum = micro_batch_size, batch_accumulation_per_replica
         self.dp_rank = dp_rank
@@ -189,3 +208,41 @@ class SFTData:
         if "step" not in state:
             raise DataError("data state: not saved by an SFT stage (no 'step')")
         self._step = int(state["step"])
+
+
+class SFTValidationData:
+    """Held-out SFT examples (`validation.dataset` with `sft_dataloader: true`): their packed
+    rows in file order, the same at every evaluation. A validation batch is one global batch of
+    rows (dp rank r its contiguous slice, cut into micro-batches as in training); the last is
+    completed with rows without labels; `tokens.limit_val_batches` = B measures the first B.
+    `batches()` is ValidationData's: the Evaluator weighs each micro-batch by its labels."""
+
+    def __init__(self, rows: dict[str, np.ndarray], *, micro_batch_size: int,
+                 batch_accumulation_per_replica: int, dp_rank: int, dp_size: int,
+                 limit_batches: int = 0) -> None:  # fmt: skip
+        self.rows = rows
+        self.mbs, self.accum, self.dp_rank = (
+            micro_batch_size,
+            batch_accumulation_per_replica,
+            dp_rank,
+        )
+        self.global_batch_size = micro_batch_size * batch_accumulation_per_replica * dp_size
+        n = len(rows["input_ids"])
+        batches = -(-n // self.global_batch_size)
+        self.num_batches = batches if limit_batches == 0 else min(batches, limit_batches)
+
+    def batches(self):
+        import torch
+
+        n = len(self.rows["input_ids"])
+        per_rank = self.mbs * self.accum
+        for b in range(self.num_batches):
+            first = b * self.global_batch_size + self.dp_rank * per_rank
+            micro_batches = []
+            for m in range(self.accum):
+                ids = np.arange(first + m * self.mbs, first + (m + 1) * self.mbs)
+                batch = {k: torch.from_numpy(v[np.minimum(ids, n - 1)].copy())
+                         for k, v in self.rows.items()}  # fmt: skip
+                batch["label_mask"][torch.from_numpy(ids >= n)] = False  # padding rows
+                micro_batches.append(batch)
+            yield micro_batches, [float(mb["label_mask"].sum()) for mb in micro_batches]

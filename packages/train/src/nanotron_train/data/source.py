@@ -271,6 +271,8 @@ def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
     val = cfg.validation
     if val is None:
         return None
+    if val.dataset is not None and val.dataset.is_sft:  # held-out conversations (data/sft.py)
+        return _sft_validation(cfg, pc)
     from nanotron_train.data import DataError
     from nanotron_train.data.datatrove import open_tokenized_folder
     from nanotron_train.data.stages import check_weights
@@ -313,4 +315,21 @@ def build_validation_data(cfg: Config, pc, train_data: Any) -> Any:
         limit_batches=tok.limit_val_batches,
         eod_mask_loss=_eod_mask_loss(val, cfg.data_stages),
         document_masking=cfg.model.model_config.document_masking,
+    )
+
+
+def _sft_validation(cfg: Config, pc) -> Any:
+    from nanotron_train.data.sft import SFTValidationData, packed_rows
+
+    spec, tok, mc = cfg.validation.dataset, cfg.tokens, cfg.model.model_config
+    where = f"validation.dataset: {spec.hf_dataset_or_datasets}"
+    rows = packed_rows(spec, where, tok.sequence_length, tokenizer_path(cfg.tokenizer),
+                       mc.vocab_size, mc.document_masking)  # fmt: skip
+    return SFTValidationData(
+        rows,
+        micro_batch_size=tok.micro_batch_size,
+        batch_accumulation_per_replica=tok.batch_accumulation_per_replica,
+        dp_rank=pc.dp_rank,
+        dp_size=pc.dp_size,
+        limit_batches=tok.limit_val_batches,
     )
