@@ -142,3 +142,13 @@ def test_packed_documents_equal_separate_documents():
     torch.testing.assert_close(packed, apart, rtol=1e-12, atol=1e-12)
     for got, p in zip(packed_grads, mixer.parameters()):
         torch.testing.assert_close(got, p.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_nanotron_names_of_the_example_map_both_ways():
+    """Nanotron's example names a layer's parameters `model.decoder.{i}.pp_block.<ours>`, so
+    weight-decay patterns written for either name match (x_proj and dt_proj included)."""
+    from nanotron_train.interop.nanotron_names import excluded_from_weight_decay, to_nanotron
+
+    theirs = "model.decoder.3.pp_block.mixer.x_proj.weight"
+    assert to_nanotron("decoder.3.mixer.x_proj.weight") == theirs
+    assert excluded_from_weight_decay("decoder.0.mixer.dt_proj.bias", [r"model\..*dt_proj"])

@@ -188,6 +188,7 @@ FAMILY_MODULES = {
         "mamba2_hybrid.names",
         # the Mamba-1 family (Nanotron's example; its stage is the hybrid's with its layers)
         "mamba1", "mamba1.config", "mamba1.spec", "mamba1.layers", "mamba1.stage", "mamba1.hf",
+        "mamba1.names",
         # the Qwen3-Next family (its stage and layers build on the hybrid's)
         "qwen3_next", "qwen3_next.config", "qwen3_next.spec", "qwen3_next.attention",
         "qwen3_next.layers", "qwen3_next.stage", "qwen3_next.hf", "qwen3_next.names",

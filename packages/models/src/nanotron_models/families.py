@@ -47,6 +47,7 @@ from .init import LLAMA_TP_PLAN, InitSpec, llama_init_spec
 from .kv_cache import KVCache
 from .mamba1 import hf as mamba1_hf
 from .mamba1.config import MambaConfig
+from .mamba1.names import MAMBA1_NANOTRON_LAYER_NAMES
 from .mamba1.spec import (
     MAMBA1_TP_PLAN,
     mamba1_activation_elements,
@@ -377,7 +378,7 @@ MAMBA1 = ModelFamily(
         state_dict_to_hf=mamba1_hf.state_dict_to_hf,
         architecture_of=mamba1_hf.architecture,
     ),
-    nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, HYBRID_NANOTRON_LAYER_NAMES),
+    nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, MAMBA1_NANOTRON_LAYER_NAMES),
     yaml_marker="is_mamba_config",
 )
 
