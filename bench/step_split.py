@@ -1,0 +1,139 @@
+"""Helpers of bench/roofline.py: a training step's GEMMs (captured, then replayed alone) and
+the split of a profiled step into matmul, attention, other ops, optimizer, communication and
+host time.
+
+The GEMMs are captured with a TorchDispatchMode during one step: every `mm`, `addmm`,
+`addmm_`, `bmm` and `baddbmm` call with its tensors' shapes and strides (a transposed operand
+stays transposed) and its other arguments. `GemmReplay` runs the same calls, in the step's
+order, on tensors of the same layouts: the machine's matmul throughput for the step's own
+shapes, each weighted by its share of the FLOPs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GEMMS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
+OPTIMIZER_RANGE = "roofline.optimizer"  # the bench wraps norm, clip and the step in it
+STEP_RANGE = "roofline.step"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _spec(x):
+    if isinstance(x, torch.Tensor):
+        return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype)
+    return x
+
+
+def gemm_flops(name: str, args: tuple) -> int:
+    """2 x multiply-adds of one call (the operands are the last two tensor arguments)."""
+    a, b = [x for x in args if isinstance(x, TensorSpec)][-2:]
+    if name in ("bmm", "baddbmm"):
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
+class GemmCapture(TorchDispatchMode):
+    """Records (op, argument specs, keyword specs) of every GEMM run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in GEMMS:
+            specs = tuple(_spec(a) for a in args)
+            kw = tuple(sorted((k, _spec(v)) for k, v in kwargs.items()))
+            self.calls.append((func, specs, kw))
+        return func(*args, **kwargs)
+
+
+def _make(x, cache: dict):
+    if not isinstance(x, TensorSpec):
+        return x
+    if x not in cache:  # one tensor per layout, reused: like the step, inputs of this size
+        size = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride))
+        storage = torch.randn(size, dtype=x.dtype).mul_(0.01)
+        cache[x] = storage.as_strided(x.shape, x.stride)
+    return cache[x]
+
+
+class GemmReplay:
+    """The captured GEMMs of one step, runnable alone, in the step's order."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        cache: dict = {}
+        self.calls = [
+            (func, tuple(_make(a, cache) for a in args), {k: _make(v, cache) for k, v in kw})
+            for func, args, kw in calls
+        ]
+        self.flops = sum(gemm_flops(f.overloadpacket.__name__, a) for f, a, _ in calls)
+        self.shapes = Counter((f.overloadpacket.__name__, a) for f, a, _ in calls)
+
+    @torch.no_grad()
+    def seconds(self) -> float:
+        t = time.perf_counter()
+        for func, args, kwargs in self.calls:
+            func(*args, **kwargs)
+        return time.perf_counter() - t
+
+
+def _category(name: str) -> str:
+    if name.startswith(("c10d::", "gloo:")) or "record_param_comms" in name:
+        return "communication"
+    short = name.removeprefix("aten::")
+    if short in GEMMS or short == "_addmm_activation":
+        return "matmul"
+    if (
+        "scaled_dot_product" in short
+        or "flash_attention" in short
+        or "efficient_attention" in short
+    ):
+        return "attention"
+    return "other ops"
+
+
+def _under_optimizer(ev) -> bool:
+    parent = ev.cpu_parent
+    while parent is not None:
+        if parent.name == OPTIMIZER_RANGE:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def split_profile(events, steps: int, wall_s: float) -> tuple[dict[str, float], Counter]:
+    """Seconds per step of each category (the step's thread only), and the ops' counts per
+    step. `host` is the step's wall time that no op covers (Python, autograd's engine,
+    the profiler's own cost), outside the optimizer's range, which counts whole."""
+    main = {ev.thread for ev in events if ev.name == STEP_RANGE}
+    cats = Counter({"matmul": 0.0, "attention": 0.0, "other ops": 0.0, "optimizer": 0.0,
+                    "communication": 0.0})  # fmt: skip
+    counts: Counter = Counter()
+    for ev in events:
+        if ev.thread not in main:
+            continue
+        if ev.name == OPTIMIZER_RANGE:
+            cats["optimizer"] += ev.cpu_time_total / 1e6
+            continue
+        is_op = ev.name.startswith(("aten::", "c10d::", "gloo:")) or "record_param" in ev.name
+        if not is_op:
+            continue
+        counts[ev.name] += 1
+        if not _under_optimizer(ev):
+            cats[_category(ev.name)] += ev.self_cpu_time_total / 1e6
+    per_step = {k: v / steps for k, v in cats.items()}
+    per_step["host (outside ops)"] = wall_s / steps - sum(per_step.values())
+    return per_step, Counter({k: v / steps for k, v in counts.items()})
