@@ -6,8 +6,9 @@ context-parallel bytes against the formula.
    in the same run: the Gated DeltaNet mixer (Qwen3-Next's shape scaled to the width: key
    heads = value heads / 2, head dims 64), a causal attention layer (q/k/v/o projections,
    PyTorch's scaled_dot_product_attention, 8 heads of 64, 2 kv heads) and the Mamba-2 mixer
-   (expand 2, heads of 64, state 128, one group). Time: the median of `--repeats` runs after a
-   warm-up. Memory: the peak of the bytes of all tensors alive during the forward and backward
+   (expand 2, heads of 64, state 128, one group). Time: the process's CPU time (one thread:
+   what the op costs, not how long a loaded machine made it wait), the least of `--repeats`
+   rounds after a warm-up, the three layers taking turns in each round. Memory: the peak of the bytes of all tensors alive during the forward and backward
    (bench/cp_memory.py's LiveBytes; the weights excluded, their gradients included), measured
    in a separate pass since tracking slows every op.
 2. Bytes one cp rank receives per layer and micro-batch (forward and backward), counted in
@@ -18,13 +19,12 @@ context-parallel bytes against the formula.
    256) receives, from its formula (cp-1)/cp * S * 2 * kv * d * e.
 
     .venv/bin/python bench/gated_deltanet_mixer.py [--seqs 512 1024 2048 4096 8192]
-        [--hidden 512] [--repeats 1] [--threads 1] [--cp-seq 64]
+        [--hidden 512] [--repeats 2] [--threads 1] [--cp-seq 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -70,33 +70,47 @@ def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
     layer(x).backward(grad)
 
 
-def measure(layer: nn.Module, seq: int, hidden: int, repeats: int) -> tuple[float, int]:
-    """(median seconds of a forward + backward, peak live bytes)."""
+def inputs(seq: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, seq, hidden, generator=g).requires_grad_()
-    grad = torch.randn(1, seq, hidden, generator=g)
-    fwd_bwd(layer, x, grad)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fwd_bwd(layer, x, grad)
-        times.append(time.perf_counter() - start)
+    return x, torch.randn(1, seq, hidden, generator=g)
+
+
+def cpu_seconds(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
+    start = time.process_time()
+    fwd_bwd(layer, x, grad)
+    return time.process_time() - start
+
+
+def peak_bytes(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> int:
     layer.zero_grad(set_to_none=True)
     x.grad = None
     with LiveBytes(x, grad) as tracker:
         fwd_bwd(layer, x, grad)
         tracker._update()
     layer.zero_grad(set_to_none=True)
-    return statistics.median(times), tracker.peak
+    return tracker.peak
+
+
+def measure(layers: dict[str, nn.Module], seq: int, hidden: int, repeats: int) -> dict:
+    """name -> (least CPU seconds of a forward + backward, peak live bytes)."""
+    x, grad = inputs(seq, hidden)
+    for layer in layers.values():
+        fwd_bwd(layer, x, grad)  # warm-up
+    times = {name: [] for name in layers}
+    for _ in range(repeats):  # the layers take turns: a load spike hits them alike
+        for name, layer in layers.items():
+            times[name].append(cpu_seconds(layer, x, grad))
+    return {name: (min(times[name]), peak_bytes(layer, x, grad)) for name, layer in layers.items()}
 
 
 def compare(seqs: list[int], hidden: int, repeats: int) -> None:
     layers = mixers(hidden)
     print(f"hidden {hidden}, fp32, micro-batch 1, {torch.get_num_threads()} thread(s)")
-    print("seq    | time s: attention  GDN      Mamba-2 | GDN/attn Mamba-2/attn GDN/Mamba-2 "
+    print("seq    | CPU s: attention   GDN      Mamba-2 | GDN/attn Mamba-2/attn GDN/Mamba-2 "
           "| peak MiB: attention GDN    Mamba-2 | GDN/attn GDN/Mamba-2")  # fmt: skip
     for seq in seqs:
-        got = {name: measure(layer, seq, hidden, repeats) for name, layer in layers.items()}
+        got = measure(layers, seq, hidden, repeats)
         (ta, ma), (tg, mg), (tm, mm) = got["attention"], got["gated_deltanet"], got["mamba2"]
         mib = 2**20
         print(f"{seq:6d} | {ta:9.3f} {tg:8.3f} {tm:8.3f} | {tg / ta:8.2f} {tm / ta:12.2f} "
@@ -149,7 +163,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cp-seq", type=int, default=64)
     args = p.parse_args()
