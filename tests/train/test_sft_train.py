@@ -231,3 +231,71 @@ def test_held_out_sft_loss_is_the_token_weighted_loss_of_its_answers(sft_batches
         )
     assert got.tokens == int(rows["label_mask"].sum())
     assert got.loss == pytest.approx(total / got.tokens, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"dataset_folder": ["x"], "hf_dataset_or_datasets": None}, "sft_dataloader"),
+        ({"sft_dataloader": False}, "debug_max_samples"),
+        ({"debug_max_samples": 0}, "debug_max_samples"),
+        ({"eod_mask_loss": True}, "eod_mask_loss"),
+        ({"hf_dataset_splits": ["validation"]}, "hf_dataset_splits"),
+    ],
+)
+def test_sft_keys_that_do_not_apply_are_one_line_naming_them(change, key):
+    from nanotron_train.config import ConfigError, config_from_dict
+
+    raw = sft_config(ONE)
+    raw["data_stages"][0]["data"]["dataset"].update(change)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw, "sft.yaml", world_size=None)
+    message = str(err.value)
+    assert (
+        message.startswith(f"sft.yaml: data_stages.0.data.dataset.{key}: ") and "\n" not in message
+    )
+
+
+def test_prompt_completion_rows_train_on_the_completion_and_its_eos(tmp_path):
+    """Nanotron's SFT rows: the text prompt + completion + EOS, labels on the completion."""
+    from nanotron_train.data import load_tokenizer
+    from nanotron_train.data.sft import read_examples, tokenize_examples
+
+    tok = load_tokenizer(str(DATA / "tokenizer"))
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "Q: where is ada?\\nA: ", "completion": "oslo"}\n')
+    ((ids, mask),) = tokenize_examples(read_examples(str(path)), tok, None, "rows")
+    prompt = tok.encode("Q: where is ada?\nA: ")
+    assert ids == prompt + tok.encode("oslo") + [tok.eos_token_id]
+    assert mask == [False] * len(prompt) + [True] * (len(ids) - len(prompt))
+
+
+def test_sft_resume_is_exact(tmp_path):
+    """A run resumed from its step-2 checkpoint makes step 3 exactly as the run that never
+    stopped: the SFT data's position is the step (the same rows, the same token weights)."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.config import config_from_dict
+    from nanotron_train.trainer import Trainer
+
+    def run(resume: str | None) -> list[dict]:
+        raw = sft_config(ONE)
+        del raw["validation"]
+        raw["tokens"].update(train_steps=3, val_check_interval=-1)
+        raw["checkpoints"].update(checkpoints_path=str(tmp_path / ("r" if resume else "ck")),
+                                  checkpoint_interval=2, resume_checkpoint_path=resume,
+                                  save_final_state=False)  # fmt: skip
+        cfg = config_from_dict(raw, "sft.yaml", world_size=None)
+        records: list[dict] = []
+        with shared_default_group():
+            pc = ParallelContext(1, 1, 1)
+            try:
+                Trainer(cfg, pc, stream=io.StringIO()).train(on_record=records.append)
+            finally:
+                pc.destroy()
+        return records
+
+    full = run(None)
+    resumed = run(str(tmp_path / "ck" / "2"))
+    assert [r["step"] for r in resumed] == [3]
+    for key in ("lm_loss", "grad_norm", "labelled_tokens"):
+        assert resumed[0][key] == full[2][key], key
