@@ -142,4 +142,4 @@ def state_dict_to_hf(full_sd: dict[str, torch.Tensor], c: Qwen3NextConfig) -> di
         if c.ffn_kind(i) == "E":
             out.update(moe_mlp_to_hf(full_sd, hf, ours, c))
     out["lm_head.weight"] = full_sd.get("lm_head.weight", full_sd["embedding.weight"])[:v]
-    return out
+    return {k: t.contiguous() for k, t in out.items()}  # safetensors writes contiguous tensors
