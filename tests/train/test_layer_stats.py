@@ -33,6 +33,7 @@ def _config(layout: dict):
     from nanotron_train.config import config_from_dict
 
     raw = layout_config(layout)
+    raw["model"]["model_config"]["num_hidden_layers"] = 2  # one per pp stage: a cheaper test
     raw["logging"]["iteration_step_info_interval"] = 1000  # only the detail step is logged
     raw["metrics_logging"] = {"log_level": 1, "log_detail_interval": DETAIL}
     raw["tokens"]["train_steps"] = DETAIL
@@ -99,7 +100,7 @@ def test_statistics_equal_the_parameters_before_and_after_the_step(one_process):
     total = math.sqrt(sum(g * g for g in stats["grad_norm"].values()))
     assert total == pytest.approx(rec["grad_norm"], rel=1e-6)
     assert rec["grad_norm"] > 0.5  # above clip_grad: the norms are taken before clipping
-    blocks = ["embedding", *(f"decoder.{i}" for i in range(4)), "final_norm"]
+    blocks = ["embedding", "decoder.0", "decoder.1", "final_norm"]
     assert list(stats["act_rms"]) == blocks  # hidden states only: not the logits or loss
     assert all(0 < v < 10 for v in stats["act_rms"].values())
 
