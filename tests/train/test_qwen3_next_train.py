@@ -2,9 +2,9 @@
 experts with a gated shared expert and one dense MLP, document masking on the packed synthetic
 documents, a delta-rule chunk that does not divide the sequence) trains the same model in
 every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2 sequence
-parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 with the experts over ep=2, cp=2 x tp=2 (the Gated
-DeltaNet conv halo and state maps passed across cp ranks, cp chunks of 8 tokens against a
-delta-rule chunk of 12)."""
+parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 ZeRO-3 with recompute and the experts over ep=2,
+cp=2 x tp=2 (the Gated DeltaNet conv halo and state maps passed across cp ranks, cp chunks of
+8 tokens against a delta-rule chunk of 12)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def qwen3_next_config(layout: dict) -> dict:
     par.update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], tp_mode=layout["mode"])
     par["expert_parallel_size"] = layout.get("ep", 1)
     par["context_parallel_size"] = layout.get("cp", 1)
+    par["recompute_layer"] = layout.get("recompute", False)
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
     return data
 
@@ -76,7 +77,7 @@ def test_qwen3_next_layouts_equal_one_process():
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1},
-        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "ep": 2},
+        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "ep": 2, "zero": 3, "recompute": True},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
     ]
     results = run_distributed(_train_shared, 4, layouts, timeout=300)[0]
