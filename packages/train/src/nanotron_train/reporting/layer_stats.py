@@ -14,7 +14,8 @@ counts over the ranks that hold different tokens (dp, cp; tp under sequence para
 each tp rank holds a slice of the sequence; under tp ALL_REDUCE tp rank 0 alone). All of it is
 ONE float64 tensor and ONE all-reduce over the world per detail step, read on the host once.
 
-Cost: nothing on other steps (no hook is registered, nothing is read). On a detail step the
+Under `model.compile` there is no activation RMS: a hook added to a compiled block for one
+step would recompile it. Cost: nothing on other steps (no hook is registered, nothing is read). On a detail step the
 output hooks run for its forward passes (a recomputed forward adds its identical values to
 the sums and the counts, so the RMS is unchanged), and the counted pieces are copied once to
 measure the update.
@@ -59,7 +60,8 @@ class LayerStats:
     in `collect`: every rank, the same steps."""
 
     def __init__(self, model: nn.Module, grads, named_params, pc, interval: int,
-                 hidden_size: int, sequence_parallel: bool) -> None:  # fmt: skip
+                 hidden_size: int, sequence_parallel: bool, activations: bool = True,
+                 ) -> None:  # fmt: skip
         self.pc, self.interval, self.hidden = pc, interval, hidden_size
         name_of = {id(p): n for n, p in named_params}
         counts = default_counts_in_norm(pc.tp_rank, pc.is_first_stage)
@@ -69,7 +71,8 @@ class LayerStats:
         index = {n: i for i, n in enumerate(self.params)}
         rows = [index[name_of[id(x.param)]] for x in self.pieces]
         self.piece_rows = torch.tensor(rows, dtype=torch.long, device=pc.device)
-        names = list(getattr(model, "block_names", []))
+        # compiled blocks get no hook: adding and removing one would recompile them
+        names = list(getattr(model, "block_names", [])) if activations else []
         self.blocks = [(model.get_submodule(n), n) for n in names]
         self.block_rows = _world_rows([(n, True) for n in names], pc)
         self.block_index = {n: i for i, n in enumerate(self.block_rows)}
@@ -147,10 +150,8 @@ class LayerStats:
             out["weight_norm"][name] = w[i] ** 0.5
             out["grad_norm"][name] = g[i] ** 0.5
             out["update_ratio"][name] = (u[i] / w[i]) ** 0.5 if w[i] > 0 else float("nan")
-        out["act_rms"] = {
-            n: (sums[i] / counts[i]) ** 0.5 for i, n in enumerate(self.block_rows) if counts[i]
-        }
-        return out
+        act = {n: (sums[i] / counts[i]) ** 0.5 for i, n in enumerate(self.block_rows) if counts[i]}
+        return out | ({"act_rms": act} if act else {})
 
 
 def build_layer_stats(cfg, pc, model, grads, named_params) -> LayerStats | None:
@@ -166,4 +167,5 @@ def build_layer_stats(cfg, pc, model, grads, named_params) -> LayerStats | None:
         ml.log_detail_interval,
         cfg.model.model_config.hidden_size,
         sequence_parallel=cfg.parallelism.tp_mode == "REDUCE_SCATTER",
+        activations=not cfg.model.compile,
     )
