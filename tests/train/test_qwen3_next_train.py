@@ -4,11 +4,13 @@ documents, a delta-rule chunk that does not divide the sequence) trains the same
 every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2 sequence
 parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 ZeRO-3 with recompute and the experts over ep=2,
 cp=2 x tp=2 (the Gated DeltaNet conv halo and state maps passed across cp ranks, cp chunks of
-8 tokens against a delta-rule chunk of 12)."""
+8 tokens against a delta-rule chunk of 12); greedy generation at tp=2 x pp=2 equals one
+process's."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 from pathlib import Path
@@ -66,21 +68,45 @@ def _train(layouts: list[dict]) -> list[dict]:
     return out
 
 
-def _train_shared(layouts: list[dict]) -> list[dict]:
+PROMPTS = [[5, 9, 11, 3, 17], [7, 21]]
+
+
+def _generate(tp: int, pp: int) -> list[list[int]]:
+    """Greedy tokens of a random model (no documents) built at tp x pp: pipelined decoding
+    carries each stage's Gated DeltaNet states and KV cache."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.inference.decoding import generate
+    from nanotron_train.model_factory import build_family_stage
+
+    raw = qwen3_next_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"})
+    cfg = config_from_dict(raw, "q")
+    mc = dataclasses.replace(cfg.model.model_config, _use_doc_masking=False)
+    pc = ParallelContext(tp=tp, pp=pp)
+    try:
+        stage = build_family_stage(mc, pc, 32, pc.pp_rank, pp, seed=3, init_std=0.3)
+        return generate(stage, PROMPTS, max_new_tokens=5).tokens
+    finally:
+        pc.destroy()
+
+
+def _train_and_generate(layouts: list[dict]) -> tuple[list[dict], list[list[int]]]:
+    """One world-4 launch: every layout's curves, then tp=2 x pp=2 decoding."""
     with shared_default_group():
-        return _train(layouts)
+        return _train(layouts), _generate(2, 2)
 
 
 def test_qwen3_next_layouts_equal_one_process():
     with shared_default_group():
         ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"}])[0]
+        one_process_tokens = _generate(1, 1)
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1},
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "ep": 2, "zero": 3, "recompute": True},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
     ]
-    results = run_distributed(_train_shared, 4, layouts, timeout=300)[0]
+    results, tokens = run_distributed(_train_and_generate, 4, layouts, timeout=300)[0]
+    assert tokens == one_process_tokens  # greedy decoding at tp=2 x pp=2
     assert len(ref["loss"]) == STEPS and all(math.isfinite(x) for x in ref["loss"])
     for layout, res in zip(layouts, results, strict=True):
         for key in ("loss", "norm"):
