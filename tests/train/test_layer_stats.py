@@ -3,8 +3,9 @@
 One process: the detail step's weight norm, gradient norm and update/weight ratio equal the
 values computed from the parameters before and after the step (and the gradient norms add up
 to the step's global norm); the steps without statistics run no host sync and register no
-hook. Layouts: tp=2, pp=2 (tied embedding on both ends), dp=2 ZeRO-1 and dp=2 ZeRO-3 in one
-launch give every statistic of every row (parameters and blocks) within 1e-5 of one process.
+hook. Layouts: tp=2 (ALL_REDUCE and sequence parallel), pp=2 (tied embedding on both ends),
+dp=2 ZeRO-1 and dp=2 ZeRO-3 in one launch give every statistic of every row (parameters and
+blocks) within 1e-5 of one process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ REL = 1e-5
 DETAIL = 2  # log_detail_interval: step 2 has the statistics
 LAYOUTS = [
     {"dp": 1, "tp": 2, "pp": 1},
+    {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER"},  # sequence-sharded activations
     {"dp": 1, "tp": 1, "pp": 2},
     {"dp": 2, "tp": 1, "pp": 1, "zero": 1},
     {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
