@@ -5,9 +5,10 @@ state against a Llama's KV cache.
    paths: the CPU) at sequence lengths 512..8192, as Mamba-2 / attention ratios in one run:
    the Mamba-2 mixer (expand 2, heads of 64, state 128, one group, chunk 256) and a causal
    GQA attention layer (q/k/v/o, PyTorch's scaled_dot_product_attention, 8 heads, 2 kv
-   heads). The layers and the measurement are bench/gated_deltanet_mixer.py's (median of
-   `--repeats` after a warm-up; peak of the live tensors' bytes, weights excluded, in a
-   separate pass).
+   heads). Time: the process's CPU time of one forward + backward (one thread: what the work
+   costs, not how long a loaded machine made it wait), the least of `--repeats` after a
+   warm-up. Memory: the peak of the live tensors' bytes (bench/cp_memory.py's LiveBytes;
+   weights excluded, their gradients included), in a separate pass.
 2. Decoding memory: the bytes a decoding state holds after n tokens (one sequence), measured
    on built models through their family row (`new_decode_state`, the stage's `logits`): a
    hybrid in Nemotron-H's proportions (one `*` layer in six, the rest `M` and `-`) and a Llama
@@ -19,15 +20,18 @@ state against a Llama's KV cache.
 Context-parallel bytes per Mamba-2 layer against the formula: bench/mamba2_cp_bytes.py.
 
     .venv/bin/python bench/mamba2_mixer.py [--seqs 512 1024 2048 4096 8192] [--hidden 512]
-        [--repeats 1] [--threads 1]
+        [--repeats 2] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
-from gated_deltanet_mixer import Attention, measure  # bench/ is the script's folder
+import torch.nn.functional as F
+from cp_memory import LiveBytes  # bench/ is the script's folder, so on sys.path
+from torch import nn
 
 from nanotron_models.config import LlamaConfig
 from nanotron_models.families import family
@@ -38,16 +42,53 @@ from nanotron_parallel.context import ParallelContext
 MIB = 2**20
 
 
+class Attention(nn.Module):
+    """A causal GQA attention layer: the layer a Mamba-2 layer replaces."""
+
+    def __init__(self, hidden: int, heads: int = 8, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, hidden // heads
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split([self.heads * self.dim, *(2 * [self.kv_heads * self.dim])], -1)
+        q, k, v = (t.view(b, s, -1, self.dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def measure(layer: nn.Module, seq: int, hidden: int, repeats: int) -> tuple[float, int]:
+    """(least CPU seconds of a forward + backward, peak live bytes)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, seq, hidden, generator=g).requires_grad_()
+    grad = torch.randn(1, seq, hidden, generator=g)
+    layer(x).backward(grad)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        layer(x).backward(grad)
+        best = min(best, time.process_time() - start)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    with LiveBytes(x, grad) as tracker:
+        layer(x).backward(grad)
+        tracker._update()
+    layer.zero_grad(set_to_none=True)
+    return best, tracker.peak
+
+
 def compare(seqs: list[int], hidden: int, repeats: int) -> None:
     attention = Attention(hidden)
     mamba = Mamba2Mixer(Mamba2Dims(hidden, 2 * hidden // 64, 64, 1, 128))
     print(f"hidden {hidden}, fp32, micro-batch 1, {torch.get_num_threads()} thread(s)")
-    print("seq    | fwd+bwd s: attention  Mamba-2  Mamba-2/attn | peak MiB: attention  "
+    print("seq    | fwd+bwd CPU s: attention  Mamba-2  Mamba-2/attn | peak MiB: attention  "
           "Mamba-2  Mamba-2/attn")  # fmt: skip
     for seq in seqs:
         ta, ma = measure(attention, seq, hidden, repeats)
         tm, mm = measure(mamba, seq, hidden, repeats)
-        print(f"{seq:6d} | {ta:19.3f} {tm:8.3f} {tm / ta:13.2f} | {ma / MIB:18.1f} "
+        print(f"{seq:6d} | {ta:23.3f} {tm:8.3f} {tm / ta:13.2f} | {ma / MIB:18.1f} "
               f"{mm / MIB:8.1f} {mm / ma:13.2f}", flush=True)  # fmt: skip
 
 
@@ -133,7 +174,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
