@@ -4,8 +4,8 @@ documents, a delta-rule chunk that does not divide the sequence) trains the same
 every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2 sequence
 parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 ZeRO-3 with recompute and the experts over ep=2,
 cp=2 x tp=2 (the Gated DeltaNet conv halo and state maps passed across cp ranks, cp chunks of
-8 tokens against a delta-rule chunk of 12); greedy generation at tp=2 x pp=2 equals one
-process's."""
+8 tokens against a delta-rule chunk of 12); one process's checkpoint resumes at tp=2 x pp=2
+with the same next step; greedy generation at tp=2 x pp=2 equals one process's."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ def qwen3_next_config(layout: dict) -> dict:
     par["context_parallel_size"] = layout.get("cp", 1)
     par["recompute_layer"] = layout.get("recompute", False)
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
+    if "save" in layout:  # a checkpoint at step 2
+        data["checkpoints"].update(checkpoints_path=layout["save"], checkpoint_interval=2)
+    if "resume" in layout:
+        data["checkpoints"]["resume_checkpoint_path"] = layout["resume"]
     return data
 
 
@@ -95,9 +99,10 @@ def _train_and_generate(layouts: list[dict]) -> tuple[list[dict], list[list[int]
         return _train(layouts), _generate(2, 2)
 
 
-def test_qwen3_next_layouts_equal_one_process():
+def test_qwen3_next_layouts_equal_one_process(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
     with shared_default_group():
-        ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"}])[0]
+        ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt}])[0]
         one_process_tokens = _generate(1, 1)
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
@@ -105,8 +110,15 @@ def test_qwen3_next_layouts_equal_one_process():
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "ep": 2, "zero": 3, "recompute": True},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
     ]
-    results, tokens = run_distributed(_train_and_generate, 4, layouts, timeout=300)[0]
+    resumed = {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "resume": f"{ckpt}/2"}
+    (*results, after), tokens = run_distributed(
+        _train_and_generate, 4, [*layouts, resumed], timeout=300
+    )[0]
     assert tokens == one_process_tokens  # greedy decoding at tp=2 x pp=2
+    # one process's checkpoint at step 2 resumed at tp=2 x pp=2: its step 3 is the same
+    assert len(after["loss"]) == 1
+    assert abs(after["loss"][0] - ref["loss"][2]) <= 1e-5 * ref["loss"][2], (after, ref)
+    assert abs(after["norm"][0] - ref["norm"][2]) <= 1e-5 * ref["norm"][2], (after, ref)
     assert len(ref["loss"]) == STEPS and all(math.isfinite(x) for x in ref["loss"])
     for layout, res in zip(layouts, results, strict=True):
         for key in ("loss", "norm"):
