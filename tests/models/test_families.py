@@ -118,3 +118,16 @@ def test_the_row_says_which_config_fields_make_the_architecture() -> None:
         assert not set(row.arch_keys) & set(row.optional_arch_keys)
         assert all(n.startswith(row.layer_prefix) for n in row.block_names(row.config_class())
                    if "." in n)  # fmt: skip
+
+
+def test_every_family_gives_one_of_our_names_one_nanotron_name() -> None:
+    # The rows' Nanotron tables are merged into one map (weight-decay patterns, checkpoint
+    # files), so a name two families share must map alike: a later row silently winning
+    # would rename Llama's norms for every family.
+    seen: dict[str, tuple[str, str]] = {}
+    for name, row in FAMILIES.items():
+        for table in (row.nanotron_names.top, row.nanotron_names.layer):
+            for ours, theirs in table.items():
+                first = seen.setdefault(ours, (name, theirs))
+                assert first[1] == theirs, (ours, first, (name, theirs))
+    assert seen["post_attn_norm.weight"][1] == "post_attention_layernorm.weight"
