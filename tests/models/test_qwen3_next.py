@@ -81,3 +81,20 @@ def test_refusals_name_the_key_in_one_line(kw, tp, key):
     with pytest.raises(ModelConfigError) as err:
         _config(**kw).validate(tp)
     assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_nanotron_names_agree_with_the_other_families():
+    """The rows' Nanotron name tables merge (a name is one parameter whatever the family): the
+    names Qwen3-Next shares with Llama keep Llama's Nanotron names."""
+    from nanotron_models.families import FAMILIES
+    from nanotron_train.interop.nanotron_names import from_nanotron, to_nanotron
+
+    seen: dict[str, tuple[str, str]] = {}
+    for row in FAMILIES.values():
+        for ours, theirs in row.nanotron_names.layer.items():
+            first = seen.setdefault(ours, (row.name, theirs))
+            assert first[1] == theirs, (ours, first, (row.name, theirs))
+    assert to_nanotron("decoder.3.input_norm.weight") == (
+        "model.decoder.3.pp_block.input_layernorm.weight"
+    )
+    assert from_nanotron("model.decoder.3.pp_block.mixer.A_log") == "decoder.3.mixer.A_log"
