@@ -4,6 +4,7 @@ Nanotron's dataset keys."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -332,3 +333,28 @@ def test_hf_dataset_keys_splits_and_overwrite_cache(tmp_path):
     stream()
     with pytest.raises(DataError, match="no split 'test'"):
         stream(hf_dataset_splits="test")
+
+
+def test_from_nanotron_refuses_a_mamba_checkpoint_it_would_misread(tmp_path, capsys):
+    """Nanotron's Mamba example writes in_proj with x and z interleaved by its tp layout: its
+    parameter names map, but reading its files as a Llama's would load a mis-ordered model.
+    `convert from-nanotron` (and init_method.path, which reads the same files) refuse it in
+    one line before writing anything."""
+    import yaml
+
+    from nanotron_train.convert import main as convert_main
+
+    config = yaml.safe_load((Path(__file__).parent / "nanotron" / "config_mamba.yaml").read_text())
+    config["general"].update(step=3, consumed_train_samples=12)
+    for stage in config["data_stages"]:  # a path changed, as a user moving the run would
+        stage["data"]["dataset"]["hf_dataset_or_datasets"] = str(tmp_path / "data")
+    folder = tmp_path / "nt" / "3"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    metas = {"last_train_step": 3, "consumed_train_samples": 12}
+    (folder / "checkpoint_metadata.json").write_text(json.dumps({"metas": metas}))
+    argv = ["from-nanotron", "--nanotron-path", str(folder), "--out", str(tmp_path / "o")]
+    assert convert_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(folder) in err and "mamba1" in err
+    assert not (tmp_path / "o").exists()

@@ -21,6 +21,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from nanotron_models.families import family_of
 from nanotron_train.checkpoints.errors import CheckpointError
 from nanotron_train.interop.nanotron_names import from_nanotron
 
@@ -91,8 +92,25 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+# The families whose Nanotron files this module reads tensor by tensor. Nanotron's Mamba
+# example stores in_proj with x and z interleaved by its own tp layout: its names map (for
+# weight-decay patterns) but its files would load silently mis-ordered.
+READ_FAMILIES = ("llama", "qwen2")
+
+
+def check_family_is_read(folder: Path, model_config) -> None:
+    name = family_of(model_config).name
+    if name not in READ_FAMILIES:
+        raise CheckpointError(
+            f"{folder}: the weights of a Nanotron {name} checkpoint cannot be read here (Llama "
+            "and Qwen2 checkpoints can); train from the config, or export the model to "
+            "Hugging Face and import it with from-hf"
+        )
+
+
 def read_model_weights(folder: Path, model_config) -> dict[str, torch.Tensor]:
     """The model's full weights under our names (read_weights, check_experts, to_our_names)."""
+    check_family_is_read(folder, model_config)
     weights = read_weights(folder)
     moe = getattr(model_config, "moe_config", None)
     check_experts(folder, weights, moe.num_experts if moe is not None else None)
