@@ -133,3 +133,26 @@ def test_calibration_fits_the_run_s_step_time(tmp_path):
     fitted = calibrate(DEVICES["cpu"], cfg, str(metrics))
     assert fitted.achievable != DEVICES["cpu"].achievable
     assert predict(cfg, fitted, 1, 1).time.total == pytest.approx(0.045, rel=1e-9)
+
+
+def test_routed_expert_parameters_match_the_built_experts():
+    """The memory model counts each routed expert's matrices as the experts hold them: three
+    for gated SwiGLU experts (Qwen2-MoE), two for Nemotron-H's relu2 experts (an E layer)."""
+    from nanotron_models.families import family_of
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.config import config_from_dict
+
+    raw = yaml.safe_load((REPO / "configs" / "tiny-hybrid-cpu.yaml").read_text())
+    raw["model"]["model_config"].update(
+        hybrid_override_pattern="M*-E", n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, moe_shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    mc = config_from_dict(raw).model.model_config
+    row = family_of(mc)
+    pc = ParallelContext()
+    try:
+        stage = row.build_stage(mc, pc, row.block_names(mc), seed=1)
+        built = sum(p.numel() for n, p in stage.named_parameters() if ".experts." in n)
+    finally:
+        pc.destroy()
+    assert memory._routed_expert_parameters(mc) == built == 4 * 2 * mc.hidden_size * 48

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 from nanotron_models.config import DTYPES
 from nanotron_models.families import family_of
+from nanotron_models.moe.config import MoEVariant
+from nanotron_models.moe.experts import EXPERT_ACTIVATIONS
 from nanotron_parallel.pipeline import engine
 from nanotron_parallel.tensor_parallel.linear_cross_entropy import CHUNK_LOGITS
 
@@ -92,7 +94,10 @@ def _routed_expert_parameters(mc) -> int:
     m = getattr(mc, "moe_config", None)
     if m is None:
         return 0
-    per_layer = m.num_experts * 3 * mc.hidden_size * m.moe_intermediate_size
+    # gated experts (SwiGLU) hold 3 matrices of h x I, non-gated ones (relu2) 2
+    variant = getattr(mc, "moe_variant", None) or MoEVariant()
+    matrices = EXPERT_ACTIVATIONS[variant.expert_activation][1] + 1
+    per_layer = m.num_experts * matrices * mc.hidden_size * m.moe_intermediate_size
     return per_layer * len(m.moe_layers(mc.num_hidden_layers))
 
 
