@@ -3,8 +3,8 @@ experts with a gated shared expert and one dense MLP, document masking on the pa
 documents, a delta-rule chunk that does not divide the sequence) trains the same model in
 every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2 sequence
 parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 ZeRO-3 with recompute and the experts over ep=2,
-cp=2 x tp=2 (the Gated DeltaNet conv halo and state maps passed across cp ranks, cp chunks of
-8 tokens against a delta-rule chunk of 12); one process's checkpoint resumes at tp=2 x pp=2
+cp=2 x tp=2 and cp=4 (the Gated DeltaNet conv halo and state maps passed across cp ranks, cp
+chunks of 8 and 4 tokens against a delta-rule chunk of 12); one process's checkpoint resumes at tp=2 x pp=2
 with the same next step; greedy generation at tp=2 x pp=2 equals one process's."""
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def test_qwen3_next_layouts_equal_one_process(tmp_path):
         {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1},
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "ep": 2, "zero": 3, "recompute": True},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
+        {"dp": 1, "tp": 1, "pp": 1, "cp": 4, "mode": "ALL_REDUCE"},
     ]
     resumed = {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "resume": f"{ckpt}/2"}
     (*results, after), tokens = run_distributed(
