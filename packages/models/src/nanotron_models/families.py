@@ -5,7 +5,8 @@ A row gathers what the rest of the stack needs of a family: its config class; it
 stage holding some of them, which blocks are its layers); its parameters (the global names'
 init rule, the tensor-parallel plan, the name tied parameters share); its size, FLOPs and
 activation memory; its decoding state; the config fields that make two models the same
-architecture; and its Hugging Face and Nanotron mappings. Llama and Nanotron's Qwen2.
+architecture; and its Hugging Face and Nanotron mappings (the row type: family_row.py).
+Llama, Nanotron's Qwen2, Mamba-2 and its hybrids, Mamba-1 (Nanotron's example), Qwen3-Next.
 
 Everything outside a family's own modules reaches the family through its row and the stage
 interface (stage.py), never through its functions (tests/train/test_import_graph.py checks
@@ -15,13 +16,12 @@ this): another family is its modules plus one row in `FAMILIES`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from .config import LlamaConfig, ModelConfigError
+from .family_row import HFMapping, ModelFamily, NanotronNames
 from .flops import (
     llama_activation_elements,
     llama_block_costs,
@@ -29,21 +29,8 @@ from .flops import (
     num_parameters,
     training_flops_per_token,
 )
-from .hf import (
-    config_from_hf,
-    config_to_hf,
-    hf_state_dict_to_ours_full,
-    our_full_state_dict_to_hf,
-)
-from .hf_mixtral import (
-    mixtral_config_from_hf,
-    mixtral_config_to_hf,
-    mixtral_state_dict_from_hf,
-    mixtral_state_dict_to_hf,
-)
-from .hf_qwen2 import qwen2_architecture, qwen2_config_from_hf, qwen2_config_to_hf
-from .hf_qwen2_moe import qwen2_moe_config_from_hf, qwen2_moe_config_to_hf
-from .init import LLAMA_TP_PLAN, InitSpec, llama_init_spec
+from .hf_llama_family import LLAMA_HF, QWEN2_HF
+from .init import LLAMA_TP_PLAN, llama_init_spec
 from .kv_cache import KVCache
 from .mamba1 import hf as mamba1_hf
 from .mamba1.config import MambaConfig
@@ -89,117 +76,6 @@ from .qwen3_next.spec import (
     qwen3_next_training_flops_per_token,
 )
 from .qwen3_next.stage import build_qwen3_next_stage, new_qwen3_next_decode_state
-from .tp_plan import TPPlan
-
-
-@dataclass(frozen=True)
-class HFMapping:
-    """Hugging Face `transformers` interop of a family: `config_from_hf(hf_config)`,
-    `config_to_hf(config)`, `state_dict_from_hf(hf_sd, config)` (full tensors, our names) and
-    `state_dict_to_hf(full_sd, config)`; `model_type` and `architectures`: how HF's
-    config.json names the family."""
-
-    model_type: str
-    architectures: tuple[str, ...]
-    config_from_hf: Callable[[Any], Any]
-    config_to_hf: Callable[[Any], Any]
-    state_dict_from_hf: Callable[[dict, Any], dict]
-    state_dict_to_hf: Callable[[dict, Any], dict]
-    model_types: tuple[str, ...] = ()  # every config.json model_type read (default: model_type)
-    architecture_of: Callable[[Any], str] | None = None  # the class written (default: the first)
-
-    def reads(self, model_type: Any, architectures: Any) -> bool:
-        """Whether a config.json with this model_type / architectures is of this family."""
-        if model_type in (self.model_types or (self.model_type,)):
-            return True
-        return any(a in self.architectures for a in (architectures or ()))
-
-    def architecture(self, config: Any) -> str:
-        return self.architecture_of(config) if self.architecture_of else self.architectures[0]
-
-
-@dataclass(frozen=True)
-class NanotronNames:
-    """A family's parameter names in Nanotron's module tree, ours -> Nanotron's: `top` whole
-    names (embedding, final norm, lm_head); `layer` the names inside layer i, which Nanotron
-    writes `model.decoder.{i}.pp_block.<name>` and we `<layer_prefix>{i}.<name>`."""
-
-    top: dict[str, str]
-    layer: dict[str, str]
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """Everything about one family.
-
-    Blocks: `build_stage(config, pc, block_names, **options)` builds the named contiguous
-    blocks with this rank's tp shards (a stage.ModelStage); `block_names(config)` lists every
-    block in forward order and `block_costs(config, seq_len)` their forward FLOPs;
-    `layer_prefix` starts the names of the layers (`decoder.{i}`), the blocks pipeline
-    placement moves; the others stay at the ends they are at (embedding first; norm, head
-    and loss last).
-    Parameters: `init_spec(config, name, std, tp, scaling_method)` says how parameter `name`
-    is made and cut over tp, by `tp_plan` (which layer is split how; the blocks build their
-    layers by the same plan); parameters tied across stages share the name `tied_key`.
-    Sizes: `num_parameters(config)`; `training_flops_per_token(config, seq_len)` (forward +
-    backward, for MFU); `activation_elements(config, tp, sequence_parallel)` -> (elements one
-    layer saves per token for the backward, elements of a layer's input per token): the
-    memory check before allocation.
-    Architecture: `arch_keys`, the config fields that change the parameters or the maths (a
-    checkpoint and a config, or an HF model and a config, must agree on them);
-    `optional_arch_keys`, the same for features off by default, compared only when either
-    side turns them on.
-    Decoding: `new_decode_state(config)` makes the empty per-sequence state decoding carries
-    from step to step (a KV cache for attention), passed to the stage's `logits` and
-    `decode_blocks`.
-    Interop: `hf` (Hugging Face config and weights), `nanotron_names` (Nanotron's parameter
-    names), `yaml_marker` (the model_config key that names the family in a Nanotron YAML).
-    """
-
-    name: str
-    config_class: type
-    build_stage: Callable[..., nn.Module]
-    block_names: Callable[[Any], list[str]]
-    block_costs: Callable[[Any, int], list[float]]
-    layer_prefix: str
-    init_spec: Callable[..., InitSpec]
-    tp_plan: TPPlan
-    tied_key: str
-    num_parameters: Callable[[Any], int]
-    training_flops_per_token: Callable[[Any, int], float]
-    activation_elements: Callable[[Any, int, bool], tuple[int, int]]
-    arch_keys: tuple[str, ...]
-    optional_arch_keys: tuple[str, ...]
-    new_decode_state: Callable[[Any], Any]
-    hf: HFMapping
-    nanotron_names: NanotronNames
-    yaml_marker: str = ""
-
-
-def _get(hf_config: Any, key: str) -> Any:
-    return hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
-
-
-# Llama with moe_config is Mixtral in Hugging Face's terms (hf_mixtral.py).
-def _llama_from_hf(hf_config: Any):
-    if _get(hf_config, "model_type") == "mixtral":
-        return mixtral_config_from_hf(hf_config)
-    return config_from_hf(hf_config)
-
-
-def _llama_to_hf(config: LlamaConfig):
-    return mixtral_config_to_hf(config) if config.moe_config else config_to_hf(config)
-
-
-def _llama_sd_from_hf(hf_sd: dict, config: LlamaConfig) -> dict:
-    convert = mixtral_state_dict_from_hf if config.moe_config else hf_state_dict_to_ours_full
-    return convert(hf_sd, config)
-
-
-def _llama_sd_to_hf(full_sd: dict, config: LlamaConfig) -> dict:
-    convert = mixtral_state_dict_to_hf if config.moe_config else our_full_state_dict_to_hf
-    return convert(full_sd, config)
-
 
 LLAMA = ModelFamily(
     name="llama",
@@ -237,33 +113,10 @@ LLAMA = ModelFamily(
         "rope_seq_len_interpolation_factor",
     ),  # fmt: skip
     new_decode_state=lambda config: KVCache(),
-    hf=HFMapping(
-        model_type="llama",
-        architectures=("LlamaForCausalLM", "MixtralForCausalLM"),
-        config_from_hf=_llama_from_hf,
-        config_to_hf=_llama_to_hf,
-        state_dict_from_hf=_llama_sd_from_hf,
-        state_dict_to_hf=_llama_sd_to_hf,
-        model_types=("llama", "mixtral"),
-        architecture_of=lambda c: "MixtralForCausalLM" if c.moe_config else "LlamaForCausalLM",
-    ),
+    hf=LLAMA_HF,
     nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, LLAMA_NANOTRON_LAYER_NAMES),
     yaml_marker="is_llama_config",
 )
-
-
-def _qwen2_from_hf(hf_config: Any):
-    if _get(hf_config, "model_type") == "qwen2_moe":
-        return qwen2_moe_config_from_hf(hf_config)
-    return qwen2_config_from_hf(hf_config)
-
-
-def _qwen2_to_hf(config: Qwen2Config):
-    return qwen2_moe_config_to_hf(config) if config.moe_config else qwen2_config_to_hf(config)
-
-
-def _qwen2_architecture(config: Qwen2Config) -> str:
-    return "Qwen2MoeForCausalLM" if config.moe_config else qwen2_architecture(config)
 
 
 # Nanotron's Qwen2 (SmolLM3's architecture): Llama's blocks and names, the family's attention
@@ -273,16 +126,7 @@ QWEN2 = dataclasses.replace(
     LLAMA,
     name="qwen2",
     config_class=Qwen2Config,
-    hf=HFMapping(
-        model_type="qwen2",
-        architectures=("Qwen2ForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM"),
-        config_from_hf=_qwen2_from_hf,
-        config_to_hf=_qwen2_to_hf,
-        state_dict_from_hf=hf_state_dict_to_ours_full,
-        state_dict_to_hf=our_full_state_dict_to_hf,
-        model_types=("qwen2", "smollm3", "qwen2_moe"),
-        architecture_of=_qwen2_architecture,
-    ),
+    hf=QWEN2_HF,
     yaml_marker="is_qwen2_config",
 )
 
@@ -364,8 +208,14 @@ MAMBA1 = ModelFamily(
     training_flops_per_token=mamba1_training_flops_per_token,
     activation_elements=mamba1_activation_elements,
     arch_keys=(
-        "vocab_size", "d_model", "num_hidden_layers", "ssm_cfg", "rms_norm", "rms_norm_eps",
-        "residual_in_fp32", "tie_word_embeddings",
+        "vocab_size",
+        "d_model",
+        "num_hidden_layers",
+        "ssm_cfg",
+        "rms_norm",
+        "rms_norm_eps",
+        "residual_in_fp32",
+        "tie_word_embeddings",
     ),  # fmt: skip
     optional_arch_keys=(),
     new_decode_state=new_mamba1_decode_state,
