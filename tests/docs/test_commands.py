@@ -10,6 +10,7 @@ the other lines the output they must print; a shown `error:` line means exit sta
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -175,6 +176,22 @@ def check_block(block: Block, cwd: Path, env: dict[str, str]) -> None:
     assert len(codes) == len(done), f"{where}: stopped early\n{output[-4000:]}"
 
 
+# The sandbox's commands, each its module's `main(argv)` in order, in one Python process: the
+# same work as `python -m MODULE ARGS` each, with one interpreter start-up instead of six.
+IN_ONE_PROCESS = """
+import json, sys
+from nanotron_train.__main__ import main as train
+from nanotron_train.data.cli import main as data
+from nanotron_train.process_exit import exit_process
+for module, argv in json.loads(sys.argv[1]):
+    status = (data if module == "nanotron_train.data" else train)(argv)
+    if status:
+        print(f"python -m {module} {' '.join(argv)}: exit {status}", file=sys.stderr)
+        exit_process(1)
+exit_process(0)
+"""
+
+
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory) -> Path:
     """The files the pages' commands use, made once (see the table above)."""
@@ -199,24 +216,25 @@ def sandbox(tmp_path_factory) -> Path:
     cfg["tokenizer"]["tokenizer_name_or_path"] = "tok"
     cfg["data_stages"][0]["data"]["dataset"] = {"dataset_folder": "nanoset"}
     (base / "run.yaml").write_text(yaml.safe_dump(cfg))
-    py = sys.executable
-    data = [py, "-m", "nanotron_train.data"]
+    data = "nanotron_train.data"
     steps = [
-        [*data, "train-tokenizer", "--input", "corpus/", "--vocab-size", "8192", "--out", "tok"],
-        [*data, "tokenize", "--input", "corpus/", "--tokenizer", "tok", "--out", "nanoset",
-         "--no-progress"],
-        [*data, "tokenize", "--input", "corpus-valid/", "--tokenizer", "tok", "--out",
-         "nanoset-valid", "--no-progress"],
-        [py, "-m", "nanotron_train", "--config-file", "run.yaml", "--override", "parallelism.pp=1",
-         "--override", "parallelism.dp=1", "--override", "tokens.train_steps=2"],
-        [*data, "train-tokenizer", "--input", "corpus/", "--vocab-size", "4096", "--out",
-         ".cache/data/corpus/tokenizer"],
-        [*data, "tokenize", "--input", "corpus/", "--tokenizer", ".cache/data/corpus/tokenizer",
-         "--out", ".cache/data/corpus/nanoset", "--no-progress"],
+        (data, ["train-tokenizer", "--input", "corpus/", "--vocab-size", "8192", "--out", "tok"]),
+        (data, ["tokenize", "--input", "corpus/", "--tokenizer", "tok", "--out", "nanoset",
+                "--no-progress"]),
+        (data, ["tokenize", "--input", "corpus-valid/", "--tokenizer", "tok", "--out",
+                "nanoset-valid", "--no-progress"]),
+        ("nanotron_train", ["--config-file", "run.yaml", "--override", "parallelism.pp=1",
+                            "--override", "parallelism.dp=1", "--override", "tokens.train_steps=2"]),
+        (data, ["train-tokenizer", "--input", "corpus/", "--vocab-size", "4096", "--out",
+                ".cache/data/corpus/tokenizer"]),
+        (data, ["tokenize", "--input", "corpus/", "--tokenizer", ".cache/data/corpus/tokenizer",
+                "--out", ".cache/data/corpus/nanoset", "--no-progress"]),
     ]  # fmt: skip
-    for cmd in steps:
-        proc = subprocess.run(cmd, cwd=base, env=page_env(), capture_output=True, text=True)
-        assert proc.returncode == 0, f"{cmd}: {proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-c", IN_ONE_PROCESS, json.dumps(steps)],
+        cwd=base, env=page_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert (base / "checkpoints" / "2" / "checkpoint_metadata.json").is_file()
     return base
 
