@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -358,3 +360,94 @@ def test_from_nanotron_refuses_a_mamba_checkpoint_it_would_misread(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and str(folder) in err and "mamba1" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_hf_dataset_mixer_selects_nanotron_rows(tmp_path):
+    """Nanotron's mixer {dataset: fraction} (processing.py _get_dataset_mix): each dataset's
+    train split cut to its first int(fraction * rows), concatenated in the mapping's order,
+    shuffled with seed 42; the tokens are those rows' in that order. A list, an empty
+    mapping, a fraction outside [0, 1] and two train splits are refused naming the key."""
+    import datasets
+
+    from nanotron_train.data import load_tokenizer
+    from nanotron_train.data.testing import make_tokenizer, tiny_texts
+
+    a, b = tiny_texts(10, seed=3), tiny_texts(9, seed=4)
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": a}),
+         "test": datasets.Dataset.from_dict({"text": tiny_texts(5, seed=5)})}
+    ).save_to_disk(str(tmp_path / "a"))  # fmt: skip
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in b))
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    tok = load_tokenizer(str(tok_dir))
+
+    def stream(value, **keys) -> list[int]:
+        spec = DatasetSpec(hf_dataset_or_datasets=value, **keys)
+        td = TrainData([StageSpec("s", 1, spec, 0)], sequence_length=SEQ, micro_batch_size=1,
+                       batch_accumulation_per_replica=1, dp_rank=0, dp_size=1,
+                       tokenizer_path=str(tok_dir), cache_dir=str(tmp_path / "cache"),
+                       model_vocab_size=tok.vocab_size)  # fmt: skip
+        return td._stages[0].nanosets[0].tokens.tolist()
+
+    # Nanotron's rule written out: a[:10] + b[:int(0.5 * 9) = 4], permuted as
+    # datasets' shuffle(seed=42) permutes (numpy default_rng(42)).
+    rows = a + b[:4]
+    order = np.random.default_rng(42).permutation(len(rows))
+    want = [t for i in order for t in [*tok.encode(rows[i]), tok.eos_token_id]]
+    mix = {str(tmp_path / "a"): 1.0, str(tmp_path / "b.jsonl"): 0.5}
+    assert stream(mix) == want
+    assert stream(mix, hf_dataset_splits=["train", "test"]) == want  # test: unused, as there
+    cache = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(cache) == 2 and cache[1].startswith("mix-")  # mixed and tokenized once
+    assert sorted(p.name for p in (tmp_path / "a" / "train").iterdir()) == [
+        "data-00000-of-00001.arrow", "dataset_info.json", "state.json",
+    ]  # nothing written into the user's dataset  # fmt: skip
+    for value, splits, message in [
+        ([str(tmp_path / "a")], None, "a list of datasets is refused"),
+        ({}, None, "the dataset mapping is empty"),
+        ({str(tmp_path / "a"): 1.5}, None, "fraction 1.5 outside [0, 1]"),
+        ({str(tmp_path / "a"): -0.1}, None, "fraction -0.1 outside [0, 1]"),
+        ({str(tmp_path / "a"): 1.0}, ["train", "train2"], "exactly one train split"),
+        ({str(tmp_path / "a"): 1.0}, ["validation"], "'validation' is neither"),
+    ]:
+        key = re.escape("data_stages[0].data.dataset.hf_dataset_or_datasets: ")
+        with pytest.raises(DataError, match=key + ".*" + re.escape(message)):
+            stream(value, hf_dataset_splits=splits)
+
+
+def test_nanotron_mamba_example_loads_with_its_dataset_mapping(tmp_path):
+    """config_mamba.yaml keeps its {dataset: 1.0} form with only the dataset path changed
+    (a local folder): it loads, the mapping absolute; a bad fraction is one line naming the
+    key and the file."""
+    import yaml
+
+    from nanotron_train.config import ConfigError, load_config
+    from nanotron_train.config.training_inputs import prepare_for_training
+
+    config = yaml.safe_load((Path(__file__).parent / "nanotron" / "config_mamba.yaml").read_text())
+    dataset = config["data_stages"][0]["data"]["dataset"]
+    assert dataset["hf_dataset_or_datasets"] == {"roneneldan/TinyStories": 1.0}
+    (tmp_path / "stories").mkdir()
+    (tmp_path / "stories" / "a.txt").write_text("Once upon a time.")
+    path = tmp_path / "config.yaml"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the mapping's inputs are relative to the run's folder
+    try:
+        dataset["hf_dataset_or_datasets"] = {"stories": 1.0}
+        path.write_text(yaml.safe_dump(config))
+        cfg = prepare_for_training(load_config(path), str(path))  # as each run does
+        errors = []
+        for value in ({"stories": 1.5}, ["stories"]):
+            dataset["hf_dataset_or_datasets"] = value
+            path.write_text(yaml.safe_dump(config))
+            with pytest.raises(ConfigError) as err:
+                load_config(path)
+            errors.append(str(err.value))
+    finally:
+        os.chdir(cwd)
+    got = cfg.data_stages[0].data.dataset.hf_dataset_or_datasets
+    assert got == {str(tmp_path / "stories"): 1.0}
+    key = "data_stages.0.data.dataset.hf_dataset_or_datasets"
+    for error, message in zip(errors, ["fraction 1.5 outside [0, 1]", "a list of datasets"]):
+        assert error.count("\n") == 0 and str(path) in error and key in error
+        assert message in error

@@ -17,6 +17,7 @@ from nanotron_models.config import ModelConfigError
 from nanotron_parallel.pipeline import ENGINES
 from nanotron_train.config.context_parallel import CONTEXT_PARALLEL_CHECKS
 from nanotron_train.config.fault import FAULT_CHECKS
+from nanotron_train.config.mixer import MIXER_CHECKS
 from nanotron_train.config.moe import MOE_CHECKS
 from nanotron_train.config.muon import MUON_CHECKS
 from nanotron_train.config.perf import PERF_CHECKS
@@ -375,6 +376,7 @@ STAGE_CHECKS: tuple[Check, ...] = (
         "not part of this project (give a local dataset folder or files, and null here)",
     ),
     *SFT_STAGE_CHECKS,
+    *MIXER_CHECKS,
     Check(
         "data_stages.{i}.data.dataset",
         lambda c, s: _spec_kind_error(s.data.dataset) is None,

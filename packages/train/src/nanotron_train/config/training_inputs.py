@@ -55,8 +55,13 @@ def _absolute(path: str) -> str:
 def _settle_dataset(ds: Any, key: str, source: str) -> None:
     if ds is None:
         return
-    if ds.hf_dataset_or_datasets and Path(ds.hf_dataset_or_datasets).expanduser().exists():
-        ds.hf_dataset_or_datasets = _absolute(ds.hf_dataset_or_datasets)
+    raw = ds.hf_dataset_or_datasets
+    if isinstance(raw, str) and raw and Path(raw).expanduser().exists():
+        ds.hf_dataset_or_datasets = _absolute(raw)
+    elif isinstance(raw, dict):  # Nanotron's mixer {input: fraction}: its inputs likewise
+        ds.hf_dataset_or_datasets = {
+            _absolute(k) if Path(str(k)).expanduser().exists() else k: v for k, v in raw.items()
+        }
     if ds.dataset_read_path is not None:
         ds.dataset_read_path = [_absolute(p) for p in ds.dataset_read_path]
     folders = list(ds.dataset_folder or [])

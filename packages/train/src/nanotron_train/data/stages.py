@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanotron_train.data.errors import DataError
+from nanotron_train.data.mixer import mixer_error
 
 NANOSET_ONLY = (
     "dataset_folder", "dataset_weights", "dataset_read_path", "tokenizer_name", "vocab_size",
@@ -44,7 +45,8 @@ class DatasetSpec:
     # (the first token of the next document), as Megatron-LM's --eod-mask-loss.
     eod_mask_loss: bool = False
     # Raw local data
-    hf_dataset_or_datasets: str | None = None  # local files/folder, tokenized on first use
+    # local files/folder, tokenized on first use; or Nanotron's mixer {input: fraction}
+    hf_dataset_or_datasets: str | dict | list[str] | None = None
     hf_dataset_splits: str | list[str] | None = None  # "train" (Nanotron's default) or a list
     hf_dataset_config_name: str | None = None
     dataset_processing_num_proc_per_process: int = 1  # tokenizer worker processes
@@ -127,6 +129,9 @@ def validate_stages(stages: list[StageSpec]) -> None:
             check_weights(ds.dataset_weights, len(ds.dataset_folder), where)
         elif ds.dataset_weights is not None:
             raise DataError(f"{where}.dataset_weights: only valid with dataset_folder")
+        error = mixer_error(ds.hf_dataset_or_datasets, ds.hf_dataset_splits)
+        if error:
+            raise DataError(f"{where}.hf_dataset_or_datasets: {error}")
 
 
 def stage_index_for_step(stages: list[StageSpec], step: int) -> int:

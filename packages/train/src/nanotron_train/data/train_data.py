@@ -32,6 +32,7 @@ from nanotron_train.data.datatrove import (
 )
 from nanotron_train.data.documents import DOCUMENT_IDS_KEY, document_ids
 from nanotron_train.data.errors import DataError
+from nanotron_train.data.mixer import mixed_dataset
 from nanotron_train.data.nanoset import Nanoset
 from nanotron_train.data.sampler import ShuffledSamples
 from nanotron_train.data.split import split_by_documents
@@ -95,6 +96,24 @@ def _tokenizer_identity(
     return None
 
 
+def _raw_dataset_tokens(ds, tokenizer_path, cache_dir, barrier, builder) -> Path:
+    """The token folder of a raw dataset: a local input, or Nanotron's mixer mapping
+    {input: fraction} whose rows are mixed first (mixer.py)."""
+    inputs, splits = ds.hf_dataset_or_datasets, ds.hf_dataset_splits or ["train"]
+    if isinstance(inputs, dict | list):
+        inputs = mixed_dataset(
+            inputs, splits=splits, text_column=ds.text_column_name, cache_dir=cache_dir,
+            is_builder=builder, barrier=barrier, overwrite=ds.dataset_overwrite_cache,
+        )  # fmt: skip
+        inputs, splits = str(inputs), None  # one saved dataset, no splits
+    return cached_nanoset(
+        inputs, tokenizer_path=tokenizer_path, cache_dir=cache_dir,
+        text_column=ds.text_column_name, is_builder=builder, barrier=barrier,
+        num_workers=ds.dataset_processing_num_proc_per_process, splits=splits,
+        overwrite=ds.dataset_overwrite_cache,
+    )  # fmt: skip
+
+
 class TrainData:
     def __init__(
         self,
@@ -151,21 +170,7 @@ class TrainData:
         if ds.dataset_folder is not None:
             folders = list(ds.dataset_folder)
         else:
-            folders = [
-                str(
-                    cached_nanoset(
-                        ds.hf_dataset_or_datasets,
-                        tokenizer_path=tokenizer_path,
-                        cache_dir=cache_dir,
-                        text_column=ds.text_column_name,
-                        is_builder=builder,
-                        barrier=barrier,
-                        num_workers=ds.dataset_processing_num_proc_per_process,
-                        splits=ds.hf_dataset_splits or ["train"],  # Nanotron's default
-                        overwrite=ds.dataset_overwrite_cache,
-                    )
-                )
-            ]
+            folders = [str(_raw_dataset_tokens(ds, tokenizer_path, cache_dir, barrier, builder))]
         weights = check_weights(ds.dataset_weights, len(folders), f"data_stages[{i}].data.dataset")
         if ds.dataset_read_path is not None:  # Nanotron: read the local copy where it exists
             folders = [r if Path(r).exists() else f for f, r in zip(folders, ds.dataset_read_path)]
