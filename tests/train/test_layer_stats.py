@@ -2,16 +2,21 @@
 
 One process: the detail step's weight norm, gradient norm and update/weight ratio equal the
 values computed from the parameters before and after the step (and the gradient norms add up
-to the step's global norm); the steps without statistics run no host sync and register no
-hook. Layouts: tp=2 (ALL_REDUCE and sequence parallel), pp=2 (tied embedding on both ends),
-dp=2 ZeRO-1 and dp=2 ZeRO-3 in one launch give every statistic of every row (parameters and
-blocks) within 1e-5 of one process.
+to the step's global norm); each attention layer's max logit equals the largest causal
+q.k/sqrt(d) of the q and k it attended with; each router's entropy equals the mean entropy of
+the probabilities it returned (a Qwen2-MoE model); the steps without statistics run no host
+sync, register no hook and leave no probe set. Layouts: tp=2 (ALL_REDUCE and sequence
+parallel), pp=2 (tied embedding on both ends), dp=2 ZeRO-1 and dp=2 ZeRO-3, and the MoE model
+at tp=2 sequence parallel and dp=2, in one launch give every statistic of every row
+(parameters, blocks, attention layers, routers) within 1e-5 of one process.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,13 +34,27 @@ LAYOUTS = [
     {"dp": 2, "tp": 1, "pp": 1, "zero": 1},
     {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
 ]
+MOE_LAYOUTS = [
+    {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "moe": True},
+    {"dp": 2, "tp": 1, "pp": 1, "moe": True},
+]
 
 
 def _config(layout: dict):
     from nanotron_train.config import config_from_dict
 
-    raw = layout_config(layout)
-    raw["model"]["model_config"]["num_hidden_layers"] = 2  # one per pp stage: a cheaper test
+    if layout.get("moe"):  # Qwen2-MoE at test sizes, both layers experts
+        from tests.train.test_moe_metrics import tiny_moe
+
+        raw = tiny_moe(Path(tempfile.gettempdir()))
+        raw["logging"].pop("metrics_file")
+        raw["parallelism"].update(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+        raw["parallelism"]["tp_mode"] = layout.get("mode", "ALL_REDUCE")
+        raw["parallelism"]["tp_linear_async_communication"] = False
+        raw["tokens"]["batch_accumulation_per_replica"] = 2 // layout["dp"]
+    else:
+        raw = layout_config(layout)
+        raw["model"]["model_config"]["num_hidden_layers"] = 2  # one per pp stage: cheaper
     raw["logging"]["iteration_step_info_interval"] = 1000  # only the detail step is logged
     raw["metrics_logging"] = {"log_level": 1, "log_detail_interval": DETAIL}
     raw["tokens"]["train_steps"] = DETAIL
@@ -64,29 +83,101 @@ def layout_stats(layouts: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def one_process() -> dict:
-    """Steps 1-3 of one process, profiled; the parameters around the detail step."""
+def _capture(model, seen: dict) -> list:
+    """For one step: every attention layer's (q, k) as it attends and every router's output
+    probabilities, by module name; returns what undoes it."""
+    from nanotron_models.probes import detail_probes
+
+    undo = []
+    for name, module in detail_probes(model):
+        calls = seen.setdefault(name, [])
+        if hasattr(module, "attend"):  # attention: the q and k it attends with
+
+            def attend(q, k, *rest, _calls=calls, _orig=module.attend):
+                _calls.append((q.detach().clone(), k.detach().clone()))
+                return _orig(q, k, *rest)
+
+            module.attend = attend
+            undo.append(lambda m=module: delattr(m, "attend"))
+        else:  # a router's probabilities
+
+            def hook(_m, _i, out, _calls=calls):
+                _calls.append(out.probs.detach().clone())
+
+            undo.append(module.router.register_forward_hook(hook).remove)
+    return undo
+
+
+def _run_one_process(layout: dict) -> dict:
+    """Steps 1-3 of one process, profiled; the parameters around the detail step, the
+    attention q/k and router probabilities of its forward passes."""
     from nanotron_parallel.context import ParallelContext
     from nanotron_train.trainer import Trainer
 
     torch.set_num_threads(1)
     pc = ParallelContext(dp=1, tp=1, pp=1)
     try:
-        t = Trainer(_config({"dp": 1, "tp": 1, "pp": 1}), pc, stream=io.StringIO())
+        t = Trainer(_config(layout), pc, stream=io.StringIO())
         first, _ = _events(t.train_step)
         before = {n: p.detach().clone() for n, p in t.named_params}
+        seen: dict = {}
+        undo = _capture(t.state.model, seen)
         _, out = _events(t.train_step)  # the detail step
+        for u in undo:
+            u()
         after = {n: p.detach().clone() for n, p in t.named_params}
         record = t.step_record(out, 1.0)
         third, _ = _events(t.train_step)
         hooks = sum(len(m._forward_hooks) for m in t.state.model.modules())
+        probes = [n for n, m in t.state.model.named_modules() if getattr(m, "probe", None)]
         norm_views = len(t.norm_views)
         t.close()
     finally:
         pc.destroy()
-    return {"first": first, "third": third, "hooks": hooks, "record": record,
-            "before": before, "after": after, "norm_views": norm_views}  # fmt: skip
+    return {"first": first, "third": third, "hooks": hooks, "record": record, "seen": seen,
+            "before": before, "after": after, "norm_views": norm_views, "probes": probes}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    return _run_one_process({"dp": 1, "tp": 1, "pp": 1})
+
+
+@pytest.fixture(scope="module")
+def moe_one_process() -> dict:
+    return _run_one_process({"dp": 1, "tp": 1, "pp": 1, "moe": True})
+
+
+def _hand_max_logit(calls: list) -> float:
+    """The largest causal q.k/sqrt(d) over heads, positions and calls, in float64."""
+    best = -math.inf
+    for q, k in calls:
+        s, _, h, d = q.shape
+        keys = k.double().repeat_interleave(h // k.shape[2], dim=2)  # grouped-query heads
+        scores = torch.einsum("qbhd,kbhd->bhqk", q.double(), keys) / math.sqrt(d)
+        future = torch.ones(s, s, dtype=torch.bool).triu(1)
+        best = max(best, scores.masked_fill(future, -math.inf).max().item())
+    return best
+
+
+def test_max_attention_logit_equals_the_layers_q_and_k(one_process):
+    got = one_process["record"]["layer_stats"]["attn_max_logit"]
+    seen = one_process["seen"]
+    assert list(got) == ["decoder.0.attn", "decoder.1.attn"]
+    for name, value in got.items():
+        assert len(seen[name]) == 4  # every micro-batch of the step
+        assert value == pytest.approx(_hand_max_logit(seen[name]), rel=1e-6), name
+
+
+def test_router_entropy_equals_the_routers_probabilities(moe_one_process):
+    got = moe_one_process["record"]["layer_stats"]["router_entropy"]
+    seen = moe_one_process["seen"]
+    assert list(got) == ["decoder.0.mlp", "decoder.1.mlp"]
+    for name, value in got.items():
+        p = torch.cat(seen[name]).double()  # [tokens of every micro-batch, experts]
+        want = -(p * p.log()).sum(-1).mean().item()
+        assert 0 < want < math.log(p.shape[1])  # neither one-hot nor uniform
+        assert value == pytest.approx(want, rel=1e-9), name
 
 
 def test_statistics_equal_the_parameters_before_and_after_the_step(one_process):
@@ -107,19 +198,27 @@ def test_statistics_equal_the_parameters_before_and_after_the_step(one_process):
     assert all(0 < v < 10 for v in stats["act_rms"].values())
 
 
-def test_steps_without_statistics_have_no_host_sync_and_no_hook(one_process):
-    for step in ("first", "third"):  # before and after the detail step
-        events = one_process[step]
-        assert {op: events.get(op, 0) for op in SYNC_OPS} == dict.fromkeys(SYNC_OPS, 0), step
+def test_steps_without_statistics_have_no_host_sync_and_no_hook(one_process, moe_one_process):
+    for run, step in [(r, s) for r in (one_process, moe_one_process) for s in ("first", "third")]:
+        events = run[step]  # before and after the detail step
+        syncs = {op: events.get(op, 0) for op in SYNC_OPS}
+        if run is one_process:
+            assert syncs == dict.fromkeys(SYNC_OPS, 0), step
+        else:  # the local dispatcher reads its expert counts: the same on both steps
+            assert syncs == {op: run["first"].get(op, 0) for op in SYNC_OPS}, step
         # the step's only norms are the gradient norm's views: no statistics computed
-        assert events.get("aten::linalg_vector_norm", 0) == one_process["norm_views"], step
-    assert one_process["hooks"] == 0
+        assert events.get("aten::linalg_vector_norm", 0) == run["norm_views"], step
+        assert events.get("aten::special_xlogy", 0) == 0, step  # no router entropy
+        assert run["hooks"] == 0 and run["probes"] == []
+    # the detail step did measure them (the op names the line above counts are the right ones)
+    assert moe_one_process["record"]["layer_stats"]["router_entropy"]
 
 
-def test_every_layout_gives_one_process_statistics(one_process):
-    want = one_process["record"]["layer_stats"]
-    got = run_distributed(layout_stats, 2, LAYOUTS, timeout=300)[0]
-    for layout, stats in zip(LAYOUTS, got, strict=True):
+def test_every_layout_gives_one_process_statistics(one_process, moe_one_process):
+    dense, moe = one_process["record"]["layer_stats"], moe_one_process["record"]["layer_stats"]
+    got = run_distributed(layout_stats, 2, LAYOUTS + MOE_LAYOUTS, timeout=300)[0]
+    for layout, stats in zip(LAYOUTS + MOE_LAYOUTS, got, strict=True):
+        want = moe if layout.get("moe") else dense
         assert stats.keys() == want.keys(), layout
         for stat, rows in want.items():
             assert list(stats[stat]) == list(rows), (layout, stat)

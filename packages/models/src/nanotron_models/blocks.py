@@ -36,6 +36,7 @@ from .masks import (
     masked_attention,
     shared_mask,
 )
+from .probes import ATTN_MAX_LOGIT, max_attention_logit
 from .rms_norm_function import RMSNormFunction as _RMSNormFunction
 from .rotary import RotaryTable, apply_rotary, rotate_qkv
 
@@ -93,6 +94,7 @@ class Embedding(VocabParallelEmbedding):
 
 class Attention(nn.Module):
     q_multiplier = 1.0  # µP's attention 1/d (parametrization.py; LlamaStage sets it)
+    probe_stat, probe = ATTN_MAX_LOGIT, None  # a detail step's max logit (probes.py)
 
     def __init__(
         self,
@@ -196,6 +198,8 @@ class Attention(nn.Module):
             out = masked_attention(q, k, v, q_index, k_index, mask, backend, key_mask, whole)
         else:
             out = attention(q, k, v, backend, key_mask)  # [s, b, heads, d]
+        if self.probe is not None and self.cp_size == 1 and kv_cache is None:  # a detail step
+            self.probe.copy_(torch.maximum(self.probe, max_attention_logit(q, k, mask)))
         return out
 
     def _rotate(self, qkv, x, position_ids, kv_cache):

@@ -36,6 +36,7 @@ from nanotron_parallel.expert_parallel.dispatch import Dispatcher, LocalDispatch
 from nanotron_parallel.tensor_parallel import TensorParallelLinearMode, copy_to_tp
 
 from ..blocks import MLP
+from ..probes import ROUTER_ENTROPY, routing_entropy_sums
 from .balance import balance_losses, scale_balance_grad
 from .config import MoEVariant
 from .experts import GroupedExperts
@@ -44,6 +45,8 @@ from .stats import MoEStats
 
 
 class MoEBlock(nn.Module):
+    probe_stat, probe = ROUTER_ENTROPY, None  # a detail step's router entropy (probes.py)
+
     def __init__(
         self,
         config,
@@ -104,6 +107,8 @@ class MoEBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat, self._read(self.router.weight))
+        if self.probe is not None and torch._C._current_graph_task_id() == -1:  # not a recompute
+            self.probe.add_(routing_entropy_sums(routing.probs))
         sent = self.dispatcher.dispatch(flat, routing.topk_idx, routing.topk_weight)
         y = self.experts(
             sent.tokens,

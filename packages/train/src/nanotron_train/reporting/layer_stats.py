@@ -4,15 +4,22 @@ every log_detail_interval steps), reduced over the whole layout.
 Per parameter (its global name, the same in every layout): the weight norm (the values the
 step's gradient was taken at), the gradient norm (the data-parallel mean, before clipping) and
 the update/weight ratio ||W_after - W_before|| / ||W_before||; per block (`decoder.3`): the
-RMS of its output activations over the step's tokens and micro-batches.
+RMS of its output activations over the step's tokens and micro-batches; per attention layer
+(`decoder.3.attn`) the largest pre-softmax logit q.k/sqrt(d), per router (`decoder.3.mlp`) the
+mean over tokens of its routing distribution's entropy (nanotron_models/probes.py: the layers
+measure them in place while the trainer's `probe` views are set, on detail steps only).
 
 Layouts: each rank adds the squares of the elements it counts in the global gradient norm
 (`grads.norm_pieces`: a tp-replicated parameter on tp rank 0, a tied one on its first stage,
 each dp shard or 1/dp of a replicated buffer once), so the world sum counts every element once
 and pp stages holding other layers add zeros; activations add sums of squares and element
 counts over the ranks that hold different tokens (dp, cp; tp under sequence parallel, where
-each tp rank holds a slice of the sequence; under tp ALL_REDUCE tp rank 0 alone). All of it is
-ONE float64 tensor and ONE all-reduce over the world per detail step, read on the host once.
+each tp rank holds a slice of the sequence; under tp ALL_REDUCE tp rank 0 alone), and so do
+the routers' entropies and token counts; the max logit is the maximum over every rank (tp ranks
+hold other heads, dp/cp ranks other tokens, a stage without the layer -inf). All of it is ONE
+float64 tensor and ONE collective over the world per detail step (an all-reduce; an all-gather,
+summed and maxed on the device, when there are maxima), read on the host once. Under context
+parallelism there is no max logit (a rank's queries see keys the cp attention fetches).
 
 Under `model.compile` there is no activation RMS: a hook added to a compiled block for one
 step would recompile it. Cost: nothing on other steps (no hook is registered, nothing is read). On a detail step the
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotron_models.probes import ATTN_MAX_LOGIT, ROUTER_ENTROPY, detail_probes
 from nanotron_parallel.clip import default_counts_in_norm
 from nanotron_train.reporting.layer_message import LAYER_KEY
 
@@ -78,9 +86,28 @@ class LayerStats:
         self.block_index = {n: i for i, n in enumerate(self.block_rows)}
         # under ALL_REDUCE every tp rank holds the same activations: tp rank 0 adds them
         self.act_weight = 1.0 if sequence_parallel or pc.tp_rank == 0 else 0.0
+        self._init_probes(model if activations else None)
         self._hooks: list[Any] = []
         self._packed: torch.Tensor | None = None
         self._before: list[torch.Tensor] | None = None
+
+    def _init_probes(self, model: nn.Module | None) -> None:
+        """Attention layers (max logit, every rank: tp ranks hold other heads) and routers
+        (entropy; under ALL_REDUCE tp rank 0 alone, as the activations), by module name."""
+        probes = detail_probes(model) if model is not None else []
+        attn = [(n, m) for n, m in probes if m.probe_stat == ATTN_MAX_LOGIT]
+        routers = [(n, m) for n, m in probes if m.probe_stat == ROUTER_ENTROPY]
+        self.attn_rows = _world_rows([(n, True) for n, _ in attn], self.pc)
+        self.router_rows = _world_rows([(n, True) for n, _ in routers], self.pc)
+        a_index = {n: i for i, n in enumerate(self.attn_rows)}
+        r_index = {n: i for i, n in enumerate(self.router_rows)}
+        self.attn_probes = [(m, a_index[n]) for n, m in attn]
+        self.router_probes = [(m, r_index[n]) for n, m in routers] if self.act_weight else []
+
+    def _sizes(self) -> tuple[int, int]:
+        """(summed values, maxima) of the packed tensor: [3p | 2b | 2r] summed, [a] maxima."""
+        p, b = len(self.params), len(self.block_rows)
+        return 3 * p + 2 * b + 2 * len(self.router_rows), len(self.attn_rows)
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
@@ -89,11 +116,19 @@ class LayerStats:
     def watch(self) -> None:
         """Before the step's forward passes: zero the packed sums, hook the blocks' outputs."""
         p, b = len(self.params), len(self.block_rows)
-        self._packed = torch.zeros(3 * p + 2 * b, dtype=torch.float64, device=self.pc.device)
-        act = self._packed[3 * p :].view(2, b)
+        summed, maxima = self._sizes()
+        self._packed = torch.zeros(summed + maxima, dtype=torch.float64, device=self.pc.device)
+        act = self._packed[3 * p : 3 * p + 2 * b].view(2, b)
         for block, name in self.blocks:
             row = self.block_index[name]
             self._hooks.append(block.register_forward_hook(self._on_output(act, row)))
+        # the probes write in place into their slots (nanotron_models/probes.py)
+        entropy = self._packed[3 * p + 2 * b : summed].view(-1, 2)
+        for module, row in self.router_probes:
+            module.probe = entropy[row]
+        self._packed[summed:] = float("-inf")  # a layer this rank does not hold
+        for module, row in self.attn_probes:
+            module.probe = self._packed[summed + row]
 
     def _on_output(self, act: torch.Tensor, row: int):
         def hook(_module, _inputs, out) -> None:
@@ -110,6 +145,8 @@ class LayerStats:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for module, _ in self.attn_probes + self.router_probes:
+            module.probe = None
 
     @torch.no_grad()
     def before_update(self) -> None:
@@ -138,8 +175,20 @@ class LayerStats:
         if packed is None:
             return {}
         if self.pc.world_size > 1:
-            dist.all_reduce(packed, group=self.pc.world_group)
+            packed = self._reduce(packed)
         return {LAYER_KEY: self.values(packed.cpu().tolist())}
+
+    def _reduce(self, packed: torch.Tensor) -> torch.Tensor:
+        """The world's sums and maxima: one all-reduce, or with maxima one all-gather (the
+        packed values of every rank, summed and maxed here)."""
+        summed, maxima = self._sizes()
+        if not maxima:
+            dist.all_reduce(packed, group=self.pc.world_group)
+            return packed
+        ranks = [torch.empty_like(packed) for _ in range(self.pc.world_size)]
+        dist.all_gather(ranks, packed, group=self.pc.world_group)
+        every = torch.stack(ranks)
+        return torch.cat([every[:, :summed].sum(0), every[:, summed:].amax(0)])
 
     def values(self, packed: list[float]) -> dict[str, dict[str, float]]:
         p, b = len(self.params), len(self.block_rows)
@@ -151,7 +200,13 @@ class LayerStats:
             out["grad_norm"][name] = g[i] ** 0.5
             out["update_ratio"][name] = (u[i] / w[i]) ** 0.5 if w[i] > 0 else float("nan")
         act = {n: (sums[i] / counts[i]) ** 0.5 for i, n in enumerate(self.block_rows) if counts[i]}
-        return out | ({"act_rms": act} if act else {})
+        summed, _ = self._sizes()
+        ent = packed[3 * p + 2 * b : summed]
+        rows = enumerate(self.router_rows)
+        router = {n: ent[2 * i] / ent[2 * i + 1] for i, n in rows if ent[2 * i + 1]}
+        logits = dict(zip(self.attn_rows, packed[summed:], strict=True))
+        probed = {"act_rms": act, ROUTER_ENTROPY: router, ATTN_MAX_LOGIT: logits}
+        return out | {k: v for k, v in probed.items() if v}
 
 
 def build_layer_stats(cfg, pc, model, grads, named_params) -> LayerStats | None:
