@@ -2,10 +2,14 @@
 experts with a gated shared expert and one dense MLP, document masking on the packed synthetic
 documents, a delta-rule chunk that does not divide the sequence) trains the same model in
 every layout as in one process (lm_loss and grad_norm each step, 1e-5): tp=2 x pp=2 sequence
-parallel, dp=2 x pp=2 ZeRO-1, dp=2 x tp=2 ZeRO-3 with recompute and the experts over ep=2,
-cp=2 x tp=2 and cp=4 (the Gated DeltaNet conv halo and state maps passed across cp ranks, cp
-chunks of 8 and 4 tokens against a delta-rule chunk of 12); one process's checkpoint resumes at tp=2 x pp=2
-with the same next step; greedy generation at tp=2 x pp=2 equals one process's."""
+parallel (1f1b), every other pipeline engine (dp=2 x pp=2 ZeRO-1 afab, tp=2 x pp=2 sequence
+parallel zb-h1, dp=2 x pp=2 ZeRO-1 zbv, tp=2 x pp=2 interleaved-1f1b with 2 chunks a rank),
+dp=2 x tp=2 ZeRO-3 with recompute and the experts over ep=2, cp=2 x tp=2 and cp=4 (the Gated
+DeltaNet conv halo and state maps passed across cp ranks, cp chunks of 8 and 4 tokens against
+a delta-rule chunk of 12), dp=2 x tp=2 ZeRO-1 with Muon (against one process's Muon run); one
+process's checkpoint resumes at tp=2 x pp=2 with the same next step; greedy generation at
+tp=2 x pp=2 equals one process's. Muon orthogonalises each logical matrix of the head-major
+fused projections apart."""
 
 from __future__ import annotations
 
@@ -40,7 +44,10 @@ def qwen3_next_config(layout: dict) -> dict:
     par["expert_parallel_size"] = layout.get("ep", 1)
     par["context_parallel_size"] = layout.get("cp", 1)
     par["recompute_layer"] = layout.get("recompute", False)
+    par.update(pp_engine=layout.get("engine", "1f1b"), pp_virtual_stages=layout.get("v", 1))
     data["optimizer"]["zero_stage"] = layout.get("zero", 0)
+    if layout.get("muon"):  # Muon for the hidden 2-D weights (fused ones section by section)
+        data["optimizer"]["optimizer_factory"]["name"] = "muon"
     if "save" in layout:  # a checkpoint at step 2
         data["checkpoints"].update(checkpoints_path=layout["save"], checkpoint_interval=2)
     if "resume" in layout:
@@ -102,14 +109,19 @@ def _train_and_generate(layouts: list[dict]) -> tuple[list[dict], list[list[int]
 def test_qwen3_next_layouts_equal_one_process(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     with shared_default_group():
-        ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt}])[0]
+        ref, muon_ref = _train([{"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "save": ckpt},
+                                {"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE", "muon": True}])  # fmt: skip
         one_process_tokens = _generate(1, 1)
     layouts = [
         {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER"},
-        {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1},
+        {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "afab"},
+        {"dp": 1, "tp": 2, "pp": 2, "mode": "REDUCE_SCATTER", "engine": "zb-h1"},
+        {"dp": 2, "tp": 1, "pp": 2, "mode": "ALL_REDUCE", "zero": 1, "engine": "zbv"},
+        {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "engine": "interleaved-1f1b", "v": 2},
         {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "ep": 2, "zero": 3, "recompute": True},
         {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "mode": "ALL_REDUCE"},
         {"dp": 1, "tp": 1, "pp": 1, "cp": 4, "mode": "ALL_REDUCE"},
+        {"dp": 2, "tp": 2, "pp": 1, "mode": "ALL_REDUCE", "zero": 1, "muon": True},
     ]
     resumed = {"dp": 1, "tp": 2, "pp": 2, "mode": "ALL_REDUCE", "resume": f"{ckpt}/2"}
     (*results, after), tokens = run_distributed(
@@ -121,7 +133,63 @@ def test_qwen3_next_layouts_equal_one_process(tmp_path):
     assert abs(after["loss"][0] - ref["loss"][2]) <= 1e-5 * ref["loss"][2], (after, ref)
     assert abs(after["norm"][0] - ref["norm"][2]) <= 1e-5 * ref["norm"][2], (after, ref)
     assert len(ref["loss"]) == STEPS and all(math.isfinite(x) for x in ref["loss"])
+    assert muon_ref["loss"][1:] != ref["loss"][1:]  # Muon's steps are not AdamW's
     for layout, res in zip(layouts, results, strict=True):
+        want = muon_ref if layout.get("muon") else ref
         for key in ("loss", "norm"):
-            for a, b in zip(res[key], ref[key], strict=True):
-                assert abs(a - b) <= 1e-5 * abs(b), (layout, key, res[key], ref[key])
+            for a, b in zip(res[key], want[key], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (layout, key, res[key], want[key])
+
+
+def _rows(heads: int, parts: list[int]) -> list[list[int]]:
+    """Row indices of each part of a head-major fused weight, gathered over the heads."""
+    width, starts = sum(parts), [sum(parts[:j]) for j in range(len(parts))]
+    return [[h * width + s + i for h in range(heads) for i in range(p)]
+            for s, p in zip(starts, parts, strict=True)]  # fmt: skip
+
+
+def test_muon_orthogonalises_each_logical_matrix_of_the_fused_projections():
+    """Muon's update of in_proj_qkvz is q, k, v and z each orthogonalised over all key heads
+    (HF's rows interleave them key head by key head), of in_proj_ba b and a, of the gated
+    attention's qkv the queries, the output gates (interleaved per head), k and v."""
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_train.model_factory import build_family_stage
+    from nanotron_train.optimizer.matrices import orthogonal_update, stage_matrices
+    from nanotron_train.optimizer.muon import MuonSettings
+    from nanotron_train.optimizer.newton_schulz import orthogonalise
+
+    cfg = config_from_dict(
+        qwen3_next_config({"dp": 1, "tp": 1, "pp": 1, "mode": "ALL_REDUCE"}), "q"
+    )
+    mc = cfg.model.model_config
+    pc = ParallelContext(1, 1, 1)
+    try:
+        stage = build_family_stage(mc, pc, 32, seed=3)
+        matrices = {m.name: m for m in stage_matrices(list(stage.named_parameters()))}
+    finally:
+        pc.destroy()
+    nk, dk, d = mc.linear_num_key_heads, mc.linear_key_head_dim, mc.head_dim
+    dv = mc.linear_num_value_heads // nk * mc.linear_value_head_dim
+    r, kv = mc.linear_num_value_heads // nk, mc.num_key_value_heads * d
+    q2 = 2 * mc.num_attention_heads * d
+    expected = {
+        "decoder.0.mixer.in_proj_qkvz.weight": _rows(nk, [dk, dk, dv, dv]),
+        "decoder.0.mixer.in_proj_ba.weight": _rows(nk, [r, r]),
+        "decoder.1.mixer.qkv.weight": [
+            *_rows(mc.num_attention_heads, [d, d]),
+            list(range(q2, q2 + kv)),
+            list(range(q2 + kv, q2 + 2 * kv)),
+        ],  # fmt: skip
+    }
+    settings = MuonSettings(1.0, 0.0, 0.9, True, (3.4445, -4.7750, 2.0315), 5, 1e-7, None,
+                            torch.float32)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for name, rows in expected.items():
+        m = matrices[name]
+        assert m.blocks() == [(len(idx), m.param.shape[1]) for idx in rows], name
+        grad = torch.randn(m.param.shape, generator=gen)
+        want = torch.empty_like(grad)
+        for idx in rows:
+            want[idx] = orthogonalise(grad[idx], settings.ns_coefficients, 5, 1e-7, torch.float32)
+        got = orthogonal_update(m, grad, settings, None)
+        assert torch.allclose(got, want, atol=1e-6), (name, (got - want).abs().max())

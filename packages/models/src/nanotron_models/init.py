@@ -54,6 +54,9 @@ class InitSpec:
     fan: tuple[int, int] | None = None
     embedding: bool = False
     readout: bool = False  # the untied lm_head (its vocabulary side does not grow with width)
+    # Per section, (n, parts): rows that are n repeats of sub-blocks, each part one logical
+    # matrix for Muon (ParamMeta.interleaved), e.g. a head-major fused projection.
+    interleaved: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
 
 def full_tensor(spec: InitSpec, seed: int) -> torch.Tensor:

@@ -79,7 +79,7 @@ def materialise(
         tied = config.tie_word_embeddings and name in ("embedding.weight", "lm_head.weight")
         if spec.shard_dim is not None or tied:
             meta = ParamMeta(tuple(full.shape), spec.shard_dim, spec.sections, tp_rank, tp,
-                             TIED_KEY if tied else None)  # fmt: skip
+                             TIED_KEY if tied else None, spec.interleaved)  # fmt: skip
             set_param_meta(param, meta)
         setattr(module, attr, param)
     for name, buffer in list(stage.named_buffers()):

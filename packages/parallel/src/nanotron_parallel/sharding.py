@@ -24,6 +24,10 @@ class ParamMeta:
 
     ``shard_dim=None`` means the parameter is replicated over tp; ``tied_key`` names a
     parameter shared with another block (e.g. embedding and lm_head), or is None.
+    ``interleaved`` (Muon's logical matrices, not the sharding): per section (the whole dim
+    when ``sections`` is None), ``(n, parts)``: its rows are n repeats of blocks of sizes
+    ``parts`` (e.g. per head [query | gate]), and part j over the n repeats is one logical
+    matrix; None: each section is one.
     """
 
     full_shape: tuple[int, ...]
@@ -32,6 +36,7 @@ class ParamMeta:
     tp_rank: int = 0
     tp_size: int = 1
     tied_key: str | None = None
+    interleaved: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
     @property
     def is_sharded(self) -> bool:

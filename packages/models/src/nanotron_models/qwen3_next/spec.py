@@ -13,6 +13,8 @@ Gated DeltaNet layer by key heads, each rank keeping whole key heads and their v
 in_proj_qkvz and in_proj_ba are laid out key head by key head in HF (so a rank's rows are one
 block), the conv's channels [q | k | v] cut section by section, A_log and dt_bias by value
 head, out_proj row-parallel; norms are replicated.
+
+Muon: the head-major fused weights are several logical matrices each (`muon_parts`).
 """
 
 from __future__ import annotations
@@ -115,7 +117,28 @@ def _mixer_spec(c, name: str, leaf: str, std: float, scaled: float, split) -> In
         raise KeyError(f"no initialisation rule for parameter {name!r}")
     shape, s, sections = table[leaf]
     fan = (shape[1], shape[0]) if leaf.endswith("proj.weight") or leaf == "qkv.weight" else None
-    return InitSpec(name, shape, s, split, sections, fan=fan)
+    return InitSpec(name, shape, s, split, sections, fan=fan, interleaved=muon_parts(c).get(leaf))
+
+
+def muon_parts(c: Qwen3NextConfig) -> dict[str, tuple[tuple[int, tuple[int, ...]], ...]]:
+    """The head-major fused weights' logical matrices (ParamMeta.interleaved), which Muon
+    orthogonalises apart as the Mamba-2 hybrid's in_proj sections: in_proj_qkvz's q, k, v and
+    z and in_proj_ba's b and a, each gathered over the key heads (HF's rows are key head by
+    key head), and the attention's query and output gate, gathered over the heads, with k
+    and v."""
+    d, dk, r = c.head_dim, c.linear_key_head_dim, gdn_heads_per_key(c)
+    dv, kv = r * c.linear_value_head_dim, c.num_key_value_heads * d
+    nk = c.linear_num_key_heads
+    return {
+        "in_proj_qkvz.weight": ((nk, (dk, dk, dv, dv)),),
+        "in_proj_ba.weight": ((nk, (r, r)),),
+        "qkv.weight": ((c.num_attention_heads, (d, d)), (1, (kv,)), (1, (kv,))),
+    }
+
+
+def gdn_heads_per_key(c: Qwen3NextConfig) -> int:
+    """Value heads per key head of a Gated DeltaNet layer."""
+    return c.linear_num_value_heads // c.linear_num_key_heads
 
 
 @torch.no_grad()

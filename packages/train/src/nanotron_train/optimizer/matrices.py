@@ -3,7 +3,9 @@
 Muon takes the 2-D weights of the decoder blocks; embeddings, the lm_head (tied or not),
 norms and biases go to AdamW (`takes_muon`). A fused weight is several logical matrices:
 the attention's qkv weight is q, k and v stacked by rows, the MLP's gate_up weight gate and up
-(their `ParamMeta.sections`). Each is orthogonalised on its own, as if the model had separate
+(their `ParamMeta.sections`); a head-major fused weight's parts are interleaved head by head
+(Qwen3-Next's in_proj_qkvz: per key head [q | k | v | z]; `ParamMeta.interleaved`), each
+part gathered over the heads. Each is orthogonalised on its own, as if the model had separate
 q/k/v and gate/up linears (as in Hugging Face Llama and in Megatron-core's Muon): one Newton-
 Schulz over the fused matrix would mix the rows of q, k and v and orthogonalise them against
 each other, and its update would change with how the model happens to fuse its projections.
@@ -64,15 +66,26 @@ class Matrix:
         shape = self.meta.full_shape if self.meta is not None else tuple(self.param.shape)
         return int(shape[0]), int(shape[1])
 
+    def layout(self) -> tuple[int, list[tuple[int, tuple[int, ...]]]]:
+        """(the fused dim, per section (n, parts)): part j of a section over its n repeats is
+        one logical matrix (`ParamMeta.interleaved`); a plain section is (1, (size,))."""
+        rows, cols = self.full_shape()
+        meta = self.meta
+        dim = meta.shard_dim if meta is not None and meta.sections else 0
+        sections = meta.sections if meta is not None and meta.sections else ((rows, cols)[dim],)
+        if meta is None or not meta.interleaved:
+            return dim, [(1, (int(s),)) for s in sections]
+        layout = [(int(n), tuple(int(p) for p in parts)) for n, parts in meta.interleaved]
+        if [n * sum(parts) for n, parts in layout] != [int(s) for s in sections]:
+            raise ValueError(f"{self.name}: interleaved {layout} does not tile {sections}")
+        return dim, layout
+
     def blocks(self) -> list[tuple[int, int]]:
         """(rows, cols) of each logical matrix, in order along the fused dimension."""
         rows, cols = self.full_shape()
-        sections = self.meta.sections if self.meta is not None else None
-        if not sections:
-            return [(rows, cols)]
-        if self.meta.shard_dim == 0:
-            return [(s, cols) for s in sections]
-        return [(rows, s) for s in sections]
+        dim, layout = self.layout()
+        sizes = [n * p for n, parts in layout for p in parts]
+        return [(s, cols) if dim == 0 else (rows, s) for s in sizes]
 
     def cost(self) -> int:
         """Newton-Schulz flops up to a constant: rows * cols * min(rows, cols) per block."""
@@ -106,16 +119,42 @@ def orthogonal_update(
     meta = m.meta
     sharded = meta is not None and meta.is_sharded
     full = gather_full(local, tp_group, meta.shard_dim, meta.sections) if sharded else local
-    dim = meta.shard_dim if meta is not None and meta.sections else 0
-    sizes = [r if dim == 0 else c for r, c in m.blocks()]
+    dim, layout = m.layout()
     parts = []
-    for block in full.split(sizes, dim=dim):
+    for block in split_logical(full, dim, layout):
         ortho = orthogonalise(
             block, settings.ns_coefficients, settings.ns_steps, settings.eps, settings.ns_dtype
         )
         ratio = lr_ratio(settings.adjust_lr_fn, block.shape[0], block.shape[1])
         parts.append(ortho.to(local.dtype) * ratio)
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    out = parts[0] if len(parts) == 1 else join_logical(parts, dim, layout)
     if sharded:
         out = shard_tensor(out, meta.shard_dim, meta.tp_rank, meta.tp_size, meta.sections)
     return out
+
+
+def split_logical(
+    full: torch.Tensor, dim: int, layout: list[tuple[int, tuple[int, ...]]]
+) -> list[torch.Tensor]:
+    """The logical matrices of a fused 2-D tensor along `dim` (`Matrix.layout`), in order:
+    each section's part j gathered over its n repeats (rows of a head-major projection)."""
+    fused = full.movedim(dim, 0)
+    out = []
+    sections = fused.split([n * sum(parts) for n, parts in layout])
+    for section, (n, parts) in zip(sections, layout, strict=True):
+        grouped = section.reshape(n, sum(parts), section.shape[-1])
+        for piece in grouped.split(parts, dim=1):
+            out.append(piece.reshape(-1, piece.shape[-1]).movedim(0, dim))
+    return out
+
+
+def join_logical(
+    blocks: list[torch.Tensor], dim: int, layout: list[tuple[int, tuple[int, ...]]]
+) -> torch.Tensor:
+    """Inverse of `split_logical`: the fused tensor from its logical matrices."""
+    it = iter(blocks)
+    sections = []
+    for n, parts in layout:
+        grouped = [next(it).movedim(dim, 0).reshape(n, p, -1) for p in parts]
+        sections.append(torch.cat(grouped, dim=1).reshape(n * sum(parts), -1))
+    return torch.cat(sections).movedim(0, dim).contiguous()
