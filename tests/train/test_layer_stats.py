@@ -5,10 +5,11 @@ values computed from the parameters before and after the step (and the gradient 
 to the step's global norm); each attention layer's max logit equals the largest causal
 q.k/sqrt(d) of the q and k it attended with; each router's entropy equals the mean entropy of
 the probabilities it returned (a Qwen2-MoE model); the steps without statistics run no host
-sync, register no hook and leave no probe set. Layouts: tp=2 (ALL_REDUCE and sequence
-parallel), pp=2 (tied embedding on both ends), dp=2 ZeRO-1 and dp=2 ZeRO-3, and the MoE model
-at tp=2 sequence parallel and dp=2, in one launch give every statistic of every row
-(parameters, blocks, attention layers, routers) within 1e-5 of one process.
+sync, register no hook and leave no probe set. Layouts, in one launch of 4 processes: tp=2 x
+pp=2 (tied embedding on both ends), dp=2 ZeRO-3 x tp=2 sequence parallel, dp=2 ZeRO-1 x pp=2,
+cp=2 (all-gather) x dp=2, cp=2 (Ulysses) x tp=2, and the MoE model at tp=2 sequence parallel x
+dp=2 give every statistic of every row (parameters, blocks, attention layers, routers) within
+1e-5 of one process.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from tests.train.test_step_syncs import SYNC_OPS, _events
 
 REL = 1e-5
 DETAIL = 2  # log_detail_interval: step 2 has the statistics
+# one launch of 4 processes; each layout uses all of them
 LAYOUTS = [
-    {"dp": 1, "tp": 2, "pp": 1},
-    {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER"},  # sequence-sharded activations
-    {"dp": 1, "tp": 1, "pp": 2},
-    {"dp": 2, "tp": 1, "pp": 1, "zero": 1},
-    {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
+    {"dp": 1, "tp": 2, "pp": 2},  # tied embedding on both stages
+    {"dp": 2, "tp": 2, "pp": 1, "zero": 3, "mode": "REDUCE_SCATTER"},  # sequence-sharded
+    {"dp": 2, "tp": 1, "pp": 2, "zero": 1},
+    {"dp": 2, "tp": 1, "pp": 1, "cp": 2},  # all-gather context-parallel attention
+    {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "par": {"cp_attention": "ulysses"}},
 ]
 MOE_LAYOUTS = [
-    {"dp": 1, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "moe": True},
-    {"dp": 2, "tp": 1, "pp": 1, "moe": True},
+    {"dp": 2, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "moe": True},
 ]
 
 
@@ -72,7 +73,9 @@ def layout_stats(layouts: list[dict]) -> list[dict]:
     out = []
     with shared_default_group():
         for layout in layouts:
-            pc = ParallelContext(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
+            pc = ParallelContext(
+                dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1)
+            )
             records: list[dict] = []
             try:
                 Trainer(_config(layout), pc, stream=io.StringIO()).train(records.append)
@@ -216,7 +219,7 @@ def test_steps_without_statistics_have_no_host_sync_and_no_hook(one_process, moe
 
 def test_every_layout_gives_one_process_statistics(one_process, moe_one_process):
     dense, moe = one_process["record"]["layer_stats"], moe_one_process["record"]["layer_stats"]
-    got = run_distributed(layout_stats, 2, LAYOUTS + MOE_LAYOUTS, timeout=300)[0]
+    got = run_distributed(layout_stats, 4, LAYOUTS + MOE_LAYOUTS, timeout=300)[0]
     for layout, stats in zip(LAYOUTS + MOE_LAYOUTS, got, strict=True):
         want = moe if layout.get("moe") else dense
         assert stats.keys() == want.keys(), layout

@@ -36,7 +36,7 @@ from .masks import (
     masked_attention,
     shared_mask,
 )
-from .probes import ATTN_MAX_LOGIT, max_attention_logit
+from .probes import ATTN_MAX_LOGIT, max_attention_logit, probing_kernel
 from .rms_norm_function import RMSNormFunction as _RMSNormFunction
 from .rotary import RotaryTable, apply_rotary, rotate_qkv
 
@@ -186,6 +186,8 @@ class Attention(nn.Module):
         mask = self.mask(doc_ids, kv_cache is not None)
         if self.cp_size > 1 and kv_cache is None and key_mask is None:
             kernel = index_kernel(mask, backend, attention)
+            if self.probe is not None:  # a detail step: the max logit of each kernel call
+                kernel = probing_kernel(kernel, self.probe, mask)
             out = context_parallel_attention(
                 q, k, v, self.cp_group, kernel, self.cp_native,
                 method=self.cp_attention, mask_fn=mask,

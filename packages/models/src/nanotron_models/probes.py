@@ -30,17 +30,26 @@ def detail_probes(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @torch.no_grad()
-def max_attention_logit(q: torch.Tensor, k: torch.Tensor, mask=None) -> torch.Tensor:
+def max_attention_logit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask=None,
+    q_index: torch.Tensor | None = None,
+    k_index: torch.Tensor | None = None,
+) -> torch.Tensor:
     """max over heads and visible (query, key) pairs of q.k * d**-0.5, 0-d fp32 or wider.
 
-    q [s_q, b, h, d], k [s_k, b, kv, d] (grouped-query: h a multiple of kv), queries at the
-    end of the keys (bottom-right causal); `mask(q_index, k_index)` (masks.AttentionMask) adds
-    windows and documents. Blocks of queries keep each block's scores within q's size."""
+    q [s_q, b, h, d], k [s_k, b, kv, d] (grouped-query: h a multiple of kv) at global
+    positions q_index, k_index (default: queries at the end of the keys, bottom-right causal);
+    `mask(q_index, k_index)` (masks.AttentionMask) adds windows and documents. Blocks of
+    queries keep each block's scores within q's size."""
     s_q, b, h, d = q.shape
     s_k, kv = k.shape[0], k.shape[2]
     dtype = torch.promote_types(q.dtype, torch.float32)
     kg = k.detach().to(dtype).permute(1, 2, 3, 0)[:, :, None]  # [b, kv, 1, d, s_k]
-    k_index = torch.arange(s_k, device=q.device)
+    if k_index is None:
+        k_index = torch.arange(s_k, device=q.device)
+        q_index = k_index[s_k - s_q :]
     rows = max(1, s_q * d // s_k)  # scores of a block: rows * s_k * b * h <= q.numel()
     best = torch.full((), float("-inf"), dtype=dtype, device=q.device)
     for start in range(0, s_q, rows):
@@ -48,12 +57,27 @@ def max_attention_logit(q: torch.Tensor, k: torch.Tensor, mask=None) -> torch.Te
         c = qc.shape[0]
         qg = qc.permute(1, 2, 0, 3).reshape(b, kv, h // kv, c, d)
         scores = (qg @ kg) * d**-0.5  # [b, kv, g, c, s_k]
-        q_index = k_index[s_k - s_q + start : s_k - s_q + start + c]
-        allowed = k_index[None, :] <= q_index[:, None]  # [c, s_k]
+        qi = q_index[start : start + c]
+        allowed = k_index[None, :] <= qi[:, None]  # [c, s_k]
         if mask is not None:
-            allowed = (allowed & mask(q_index, k_index)).unsqueeze(2)  # [b, 1, 1, c, s_k]
+            allowed = (allowed & mask(qi, k_index)).unsqueeze(2)  # [b, 1, 1, c, s_k]
         best = torch.maximum(best, scores.masked_fill(~allowed, float("-inf")).amax())
     return best
+
+
+def probing_kernel(kernel, probe: torch.Tensor, mask=None):
+    """A context-parallel kernel `(q, k, v, q_index, k_index)` (nanotron_parallel's contract)
+    that also folds the max logit of each call into `probe`: the all-gather and Ulysses
+    attentions call it with this rank's queries (or heads) against the keys they see. (The
+    ring runs its own block kernels: no max logit there. A backward that re-runs the kernel
+    adds the same values again, which leaves a maximum unchanged.)"""
+
+    def call(q, k, v, q_index, k_index):
+        found = max_attention_logit(q, k, mask, q_index, k_index)
+        probe.copy_(torch.maximum(probe, found))
+        return kernel(q, k, v, q_index, k_index)
+
+    return call
 
 
 @torch.no_grad()
