@@ -1,5 +1,6 @@
 // The run page's per-layer statistics heatmap (metrics_logging.log_level 1): one statistic
-// at a time (weight norm, gradient norm, update/weight ratio, activation RMS), layers down in
+// at a time (weight norm, gradient norm, update/weight ratio, activation RMS, attention max
+// logit, router entropy), layers down in
 // the model's order, detail steps across. Colour: log10 of the value on a scale whose ends are
 // the whole decades around the view's values (labelled), blue low, red high; grey: no value;
 // purple: NaN or infinite. Drawn on a plain canvas; trainer text only through textContent/fillText.
@@ -9,7 +10,8 @@ const NTL = (() => {
   const MAX_ROWS = 4096;  // the ingest's bound on rows
   const NONE = "#e3e6eb", NONFINITE = "#8e44ad";
   const LABELS = { weight_norm: "weight norm", grad_norm: "gradient norm (before clipping)",
-    update_ratio: "update / weight ratio", act_rms: "activation RMS (block output)" };
+    update_ratio: "update / weight ratio", act_rms: "activation RMS (block output)",
+    attn_max_logit: "attention max logit (q·k/√d)", router_entropy: "router entropy (nats)" };
   let ctx = null;  // {runId, state, api}
   const view = { h: null, geo: null };
 
