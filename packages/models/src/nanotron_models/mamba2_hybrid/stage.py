@@ -24,7 +24,13 @@ from ..blocks import Embedding, LMHead, Loss, RMSNorm, linear_mode
 from ..config import ATTN_BACKENDS, ModelConfigError
 from ..masks import DOCUMENT_IDS_KEY, document_ids
 from ..materialise import materialise
-from ..mixers import reset_mask_from_document_ids
+from ..mixers import (
+    GatedDeltaNetMixer,
+    Mamba1Mixer,
+    Mamba2Mixer,
+    reset_mask_from_document_ids,
+)
+from ..moe import MoEBlock
 from ..stage_plumbing import StagePlumbing, checkpointed
 from .config import Mamba2HybridConfig
 from .layers import RESET_KEY, HybridLayer
@@ -96,19 +102,23 @@ class HybridStage(StagePlumbing, nn.Module):
             self.loss.cp_size = size
 
     def compile_layers(self) -> None:
-        """torch.compile each layer (the checkpointed call as a whole under recompute)."""
+        """torch.compile each layer: in place, or under recompute the checkpointed call as a
+        whole for the layers without a graph break. The chunked scans (M, G and Mamba-1
+        layers) and the MoE's statistics run eagerly between compiled graphs, and dynamo runs
+        a checkpointed region with a break in it wholly eagerly: those layers are compiled in
+        place and checkpointed around the compiled layer (docs/models.md)."""
         param = next(self.parameters())
         for layer in self.decoder.values():
             if layer.kind == "*":
                 layer.mixer.backend = resolve_backend(layer.mixer.backend, param.device)
         prepare_compile()
-        if not self.recompute:
-            for layer in self.decoder.values():
+        whole = {k: lay for k, lay in self.decoder.items() if self.recompute and not _breaks(lay)}
+        for key, layer in self.decoder.items():
+            if key not in whole:
                 layer.compile(dynamic=False)
-            return
         self._compiled = {
             key: torch.compile(functools.partial(checkpointed, layer), dynamic=False)
-            for key, layer in self.decoder.items()
+            for key, layer in whole.items()
         }
 
     # ---- training ----
@@ -193,6 +203,15 @@ class HybridStage(StagePlumbing, nn.Module):
                 x = block(x, batch)
         assert x is not None
         return x
+
+
+# modules with an eager part under compile (the chunked scans; the MoE's statistics)
+_EAGER_PARTS = (Mamba2Mixer, GatedDeltaNetMixer, Mamba1Mixer, MoEBlock)
+
+
+def _breaks(layer: nn.Module) -> bool:
+    """Whether a compiled `layer` has a graph break (an eager part) in it."""
+    return any(isinstance(m, _EAGER_PARTS) for m in layer.modules())
 
 
 def build_hybrid_stage(

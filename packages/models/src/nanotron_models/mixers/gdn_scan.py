@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanotron_parallel.compile_boundary import eager_under_compile
+
 from .ssd_scan import compute_dtype, documents
 
 try:  # optional CUDA kernels: never a dependency
@@ -50,6 +52,7 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+@eager_under_compile  # a Python loop over chunks: eager under model.compile (docs/models.md)
 def gated_delta_rule(
     q: Tensor,
     k: Tensor,

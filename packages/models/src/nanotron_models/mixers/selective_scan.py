@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanotron_parallel.compile_boundary import eager_under_compile
+
 from .ssd_scan import compute_dtype
 
 Tensor = torch.Tensor
@@ -57,6 +59,7 @@ def _prefix_scan(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a, b
 
 
+@eager_under_compile  # loops over chunks and prefix steps: eager under model.compile
 def selective_scan(
     x: Tensor,
     dt: Tensor,

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanotron_parallel.compile_boundary import eager_under_compile
+
 try:  # optional CUDA kernels: never a dependency
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 except ImportError:  # pragma: no cover - depends on the environment
@@ -140,6 +142,7 @@ def _conv_kernel_ok(x: Tensor, use_kernels: bool) -> bool:
 # ---- the chunked scan ------------------------------------------------------------------------
 
 
+@eager_under_compile  # the chunked scan stays eager under model.compile (docs/models.md)
 def ssd_scan(
     x: Tensor,
     dt: Tensor,
