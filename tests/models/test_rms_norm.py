@@ -1,6 +1,7 @@
 """RMSNorm's autograd Function: its output and gradients against its first version's
-arithmetic (kept here as the reference) within 1e-6, bf16 bitwise, and its op counts: no
-squared copy, no mean, no scalar copy, one matrix-vector product for the row dots."""
+arithmetic (kept here as the reference) within 1e-6, bf16 bitwise, and its op counts: the
+forward's one squared copy and sum, no mean (it copies its divisor), no scalar copy, one matrix-vector product for the row
+dots."""
 
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ def test_rms_norm_op_counts():
     with profile() as prof:
         _ours(x, weight, 1e-5, grad)
     counts = {e.key: e.count for e in prof.key_averages()}
-    for op in ("aten::pow", "aten::mean", "aten::_to_copy"):
-        assert counts.get(op, 0) == 0, (op, counts)
-    assert counts["aten::linalg_vector_norm"] == 1 and counts["aten::mv"] == 1, counts
+    assert counts.get("aten::_to_copy", 0) == 0, counts
+    assert counts["aten::pow"] == 1 and counts.get("aten::mean", 0) == 0, counts
+    assert counts["aten::mv"] == 1, counts
     # forward: normalise, scale; backward: grad * n, grad * weight (the row dots' mean reads
     # the first through mv; the input gradient's scale is a mul_)
     assert counts["aten::mul"] == 4, counts
