@@ -74,8 +74,12 @@ def _train(family: str, compile_: bool) -> dict:
 
 
 def test_compiled_state_space_families_train_as_eager():
+    from torch._inductor import config as inductor
+
     torch.set_num_threads(1)
-    with shared_default_group():
+    # compile in this process: a pool of compile workers (each importing torch) costs more
+    # CPU than these few kernels
+    with shared_default_group(), inductor.patch(compile_threads=1):
         runs = {f: (_train(f, False), _train(f, True)) for f in SCANS}
     torch._dynamo.reset()
     for family, (eager, compiled) in runs.items():
