@@ -19,10 +19,9 @@ from torch import nn
 from nanotron_parallel.tensor_parallel import TensorParallelLinearMode
 
 from ..blocks import linear_mode
-from ..config import ModelConfigError
 from ..mamba2_hybrid.decode_state import HybridDecodeState
 from ..mamba2_hybrid.layers import HybridLayer
-from ..mamba2_hybrid.stage import HybridStage
+from ..mamba2_hybrid.stage import HybridStage, prepare_build
 from ..materialise import materialise
 from .config import MambaConfig
 from .layers import CastRMSNorm, Mamba1Layer
@@ -77,13 +76,8 @@ def build_mamba1_stage(
     same full weights whatever the layout). `init_std`: the embedding's (Nanotron's
     init_method.initializer_range); `scaling_method` NUM_LAYERS divides out_proj by
     sqrt(residuals_per_layer * layers) (its rescale_prenorm_residual, n_residuals_per_layer)."""
-    config.validate(pc.tp_size)
-    names = mamba1_block_names(config)
-    idx = [names.index(n) if n in names else -1 for n in block_names]
-    if not idx or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
-        raise ModelConfigError(f"block names must be known, contiguous and in order: {block_names}")
-    std = config.initializer_range if init_std is None else init_std
-    device = torch.device(device) if device is not None else torch.device(pc.device)
+    std, device = prepare_build(config, pc, block_names, mamba1_block_names(config), init_std,
+                                device)  # fmt: skip
     stage = Mamba1Stage(config, pc, block_names, linear_mode(tp_mode), "auto", "meta", dtype)
     spec = functools.partial(mamba1_init_spec, residuals_per_layer=residuals_per_layer)
     materialise(stage, config, spec, pc.tp_rank, pc.tp_size, seed, std, device, dtype,

@@ -214,6 +214,36 @@ def _breaks(layer: nn.Module) -> bool:
     return any(isinstance(m, _EAGER_PARTS) for m in layer.modules())
 
 
+def prepare_build(
+    config: Any, pc, block_names: list[str], all_names: list[str], init_std, device
+) -> tuple[float, torch.device]:
+    """What every state-space family's builder checks and resolves first: the config at this
+    tp, `block_names` known, contiguous and in order among `all_names`; the init std
+    (`init_std` or the config's) and the device (`device` or the context's)."""
+    config.validate(pc.tp_size)
+    idx = [all_names.index(n) if n in all_names else -1 for n in block_names]
+    if not idx or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ModelConfigError(f"block names must be known, contiguous and in order: {block_names}")
+    std = config.initializer_range if init_std is None else init_std
+    return std, torch.device(device) if device is not None else torch.device(pc.device)
+
+
+def attention_backend(config: Any, attn_backend: str | None) -> str:
+    """The attention layers' kernel: `attn_backend`, or the config's."""
+    backend = attn_backend if attn_backend is not None else config.attention_backend
+    if backend not in ATTN_BACKENDS:
+        raise ModelConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def refuse_mup(parametrization: Any, family: str) -> None:
+    if getattr(parametrization, "name", parametrization) != "sp":
+        raise ModelConfigError(
+            f"model.parametrization / init_method.use_mup: only sp for the {family} family (its "
+            "layers have no µP multipliers yet)"
+        )
+
+
 def build_hybrid_stage(
     config: Mamba2HybridConfig,
     pc,
@@ -232,21 +262,10 @@ def build_hybrid_stage(
     """The named contiguous blocks with this rank's tp shards, initialised from `seed` (the
     same full weights whatever the layout); `dispatcher`: how `E` layers reach their experts
     (nanotron_parallel.expert_parallel; None: every expert on this rank)."""
-    config.validate(pc.tp_size)
-    if getattr(parametrization, "name", parametrization) != "sp":
-        raise ModelConfigError(
-            "model.parametrization / init_method.use_mup: only sp for the Mamba-2 family (its "
-            "layers have no µP multipliers yet)"
-        )
-    names = hybrid_block_names(config)
-    idx = [names.index(n) if n in names else -1 for n in block_names]
-    if not idx or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
-        raise ModelConfigError(f"block names must be known, contiguous and in order: {block_names}")
-    backend = attn_backend if attn_backend is not None else config.attention_backend
-    if backend not in ATTN_BACKENDS:
-        raise ModelConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
-    std = config.initializer_range if init_std is None else init_std
-    device = torch.device(device) if device is not None else torch.device(pc.device)
+    refuse_mup(parametrization, "Mamba-2")
+    std, device = prepare_build(config, pc, block_names, hybrid_block_names(config), init_std,
+                                device)  # fmt: skip
+    backend = attention_backend(config, attn_backend)
     stage = HybridStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype,
                         dispatcher)  # fmt: skip
     materialise(stage, config, hybrid_init_spec, pc.tp_rank, pc.tp_size, seed, std, device,

@@ -52,11 +52,11 @@ from nanotron_parallel.context_parallel.state_passing import (
     gather_summaries,
     pass_tails,
 )
-from nanotron_parallel.grid import ParallelConfigError
 
 from .gated_deltanet import GatedDeltaNetDims, GatedDeltaNetMixer
 from .gdn_scan import combine_affine_states, gated_delta_rule_affine
 from .mamba2_cp import _by_chunk, _by_rank_order, local_reset_mask
+from .mamba2_cp import check_context_parallel as check_chunks
 from .ssd_scan import Tensor, compute_dtype, conv_halo
 
 __all__ = [
@@ -72,20 +72,9 @@ __all__ = [
 def check_context_parallel(
     dims: GatedDeltaNetDims, seq_len: int, cp: int, chunks_per_rank: int = 2
 ) -> None:
-    """One line when a sequence of `seq_len` cannot be mixed at this cp: the 2*cp chunks must
-    be equal and each at least conv_kernel - 1 tokens (the halo comes from one chunk)."""
-    chunks = cp * chunks_per_rank
-    if seq_len % chunks:
-        raise ParallelConfigError(
-            f"Gated DeltaNet context parallel: sequence length {seq_len} is not divisible by "
-            f"the {chunks} chunks of cp={cp}"
-        )
-    if seq_len // chunks < dims.conv_kernel - 1:
-        raise ParallelConfigError(
-            f"Gated DeltaNet context parallel: chunks of {seq_len // chunks} tokens (sequence "
-            f"length {seq_len} in {chunks} chunks at cp={cp}) are shorter than conv_kernel - 1 "
-            f"= {dims.conv_kernel - 1}: use a longer sequence or a smaller cp"
-        )
+    """One line when a sequence of `seq_len` cannot be mixed at this cp (Mamba-2's rule: the
+    2*cp chunks equal, each at least conv_kernel - 1 tokens)."""
+    check_chunks(dims, seq_len, cp, chunks_per_rank, mixer="Gated DeltaNet")
 
 
 def context_parallel_mix(

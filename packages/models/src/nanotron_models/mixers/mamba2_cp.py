@@ -56,18 +56,21 @@ from .ssd_scan import (
 )
 
 
-def check_context_parallel(dims: Mamba2Dims, seq_len: int, cp: int, chunks_per_rank: int = 2):
+def check_context_parallel(
+    dims: Mamba2Dims, seq_len: int, cp: int, chunks_per_rank: int = 2, mixer: str = "Mamba-2"
+):
     """One line when a sequence of `seq_len` cannot be mixed at this cp: the 2*cp chunks must
-    be equal and each at least conv_kernel - 1 tokens (the halo comes from one chunk)."""
+    be equal and each at least conv_kernel - 1 tokens (the halo comes from one chunk). Any
+    mixer with a causal conv (`dims.conv_kernel`), named `mixer` in the message."""
     chunks = cp * chunks_per_rank
     if seq_len % chunks:
         raise ParallelConfigError(
-            f"Mamba-2 context parallel: sequence length {seq_len} is not divisible by the "
+            f"{mixer} context parallel: sequence length {seq_len} is not divisible by the "
             f"{chunks} chunks of cp={cp}"
         )
     if seq_len // chunks < dims.conv_kernel - 1:
         raise ParallelConfigError(
-            f"Mamba-2 context parallel: chunks of {seq_len // chunks} tokens (sequence length "
+            f"{mixer} context parallel: chunks of {seq_len // chunks} tokens (sequence length "
             f"{seq_len} in {chunks} chunks at cp={cp}) are shorter than conv_kernel - 1 = "
             f"{dims.conv_kernel - 1}: use a longer sequence or a smaller cp"
         )

@@ -18,10 +18,10 @@ from torch import nn
 from nanotron_parallel.tensor_parallel import TensorParallelLinearMode
 
 from ..blocks import Embedding, LMHead, Loss, linear_mode
-from ..config import ATTN_BACKENDS, ModelConfigError
+from ..config import ModelConfigError
 from ..mamba2_hybrid.decode_state import HybridDecodeState
 from ..mamba2_hybrid.layers import RESET_KEY
-from ..mamba2_hybrid.stage import HybridStage
+from ..mamba2_hybrid.stage import HybridStage, attention_backend, prepare_build, refuse_mup
 from ..masks import DOCUMENT_IDS_KEY
 from ..materialise import materialise
 from ..mixers import reset_mask_from_document_ids
@@ -129,21 +129,10 @@ def build_qwen3_next_stage(
     """The named contiguous blocks with this rank's tp shards, initialised from `seed` (the
     same full weights whatever the layout); `dispatcher`: how sparse layers reach their
     experts (nanotron_parallel.expert_parallel; None: every expert on this rank)."""
-    config.validate(pc.tp_size)
-    if getattr(parametrization, "name", parametrization) != "sp":
-        raise ModelConfigError(
-            "model.parametrization / init_method.use_mup: only sp for the Qwen3-Next family "
-            "(its layers have no µP multipliers yet)"
-        )
-    names = qwen3_next_block_names(config)
-    idx = [names.index(n) if n in names else -1 for n in block_names]
-    if not idx or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
-        raise ModelConfigError(f"block names must be known, contiguous and in order: {block_names}")
-    backend = attn_backend if attn_backend is not None else config.attention_backend
-    if backend not in ATTN_BACKENDS:
-        raise ModelConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
-    std = config.initializer_range if init_std is None else init_std
-    device = torch.device(device) if device is not None else torch.device(pc.device)
+    refuse_mup(parametrization, "Qwen3-Next")
+    std, device = prepare_build(config, pc, block_names, qwen3_next_block_names(config),
+                                init_std, device)  # fmt: skip
+    backend = attention_backend(config, attn_backend)
     stage = Qwen3NextStage(config, pc, block_names, linear_mode(tp_mode), backend, "meta", dtype,
                            dispatcher)  # fmt: skip
     materialise(stage, config, qwen3_next_init_spec, pc.tp_rank, pc.tp_size, seed, std, device,
