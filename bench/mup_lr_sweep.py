@@ -1,16 +1,22 @@
-"""Learning-rate transfer across width: the loss after a short run on real text at each
-learning rate of a sweep, at two widths, under standard parametrization (sp) and µP (`mup`,
-base width the smaller one). µP's promise is that the best learning rate stays where it is
-when the model widens; under sp it moves (down, for Adam's hidden weights).
+"""Learning-rate transfer across width and depth: the loss after a short run on real text at
+each learning rate of a 2x sweep. Across widths (at the base depth) under standard
+parametrization (sp) and µP (`mup`, base width the smallest); across depths (at the base
+width) under µP alone (no depth rule) and CompleteP (`completep`, alpha 1, base depth the
+smallest). µP's promise is that the best rate stays put when the model widens, CompleteP's
+that it also stays put when the model deepens; under sp it moves (down, for Adam's hidden
+weights) with the width.
 
-    python bench/mup_lr_sweep.py [--steps 30] [--widths 64 256] [--out mup_lr_sweep.svg]
+    python bench/mup_lr_sweep.py [--steps 40] [--widths 64 128 256] [--depths 2 4 8]
+                                 [--seeds 1 2 3] [--jobs 2] [--out mup_lr_sweep.svg]
+    python bench/mup_lr_sweep.py --quick    # seconds: a smoke run of the whole path
 
 Data: a slice of the default corpus (the Python stdlib's `asyncio` package, a 1,024-token
-BPE; prepared once under .cache/). Model: 2 layers, heads of 16 dims, MLP 2x, untied
-embeddings, sequences of 64 tokens, 8 per step, Adam with a constant rate after one warm-up
-step, no clipping or decay. The loss is the mean of the last 5 steps' training losses (the
-same batches for every run). One CPU process per run; prints the table and writes the curves
-as an SVG (no plotting library needed).
+BPE; prepared once under .cache/). Model: heads of 16 dims, MLP 2x, untied embeddings,
+sequences of 64 tokens, 8 per step, Adam with a constant rate after one warm-up step, no
+clipping or decay. A run's loss is the mean of its last 5 steps' training losses; a seed sets
+the initial weights and the batches (the same batches for every rate and size of a seed); a
+curve's point is the median over seeds. One CPU thread per run, `--jobs` runs at a time.
+Prints the tables as Markdown and writes the curves as an SVG (bench/lr_sweep_svg.py).
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import multiprocessing
+import statistics
 import sysconfig
 from pathlib import Path
 
 import torch
+from lr_sweep_svg import best, write_svg  # bench/ is the script's folder, so on sys.path
 
 from nanotron_parallel.context import ParallelContext
 from nanotron_parallel.testing import shared_default_group
@@ -29,25 +38,28 @@ from nanotron_train.config import config_from_dict
 from nanotron_train.data.corpus import prepare_default_corpus
 from nanotron_train.trainer import Trainer
 
-LRS = [2.0**k for k in range(-11, -2)]  # 4.9e-4 .. 0.125, one sweep step = 2x
-SEQ, VOCAB = 64, 1024
-COLOURS = {"sp": ("#d7301f", "#fc8d59"), "mup": ("#2166ac", "#67a9cf")}
+LRS = [2.0**k for k in range(-12, -2)]  # 2.4e-4 .. 0.125, one sweep step = 2x
+SEQ, VOCAB, TAIL = 64, 1024, 5
+Run = tuple[str, int, int, float, int]  # parametrization, width, depth, lr, seed
 
 
-def config(width: int, base: int, name: str, lr: float, steps: int, data: str) -> dict:
+def config(run: Run, base_width: int, base_depth: int, steps: int, data: str) -> dict:
+    name, width, depth, lr, seed = run
     model = {
         "model_config": {
-            "hidden_size": width, "intermediate_size": 2 * width, "num_hidden_layers": 2,
+            "hidden_size": width, "intermediate_size": 2 * width, "num_hidden_layers": depth,
             "num_attention_heads": width // 16, "num_key_value_heads": width // 16,
             "vocab_size": VOCAB, "max_position_embeddings": SEQ, "tie_word_embeddings": False,
         },
         "init_method": {"std": 0.02},
         "dtype": "float32",
     }  # fmt: skip
-    if name == "mup":
-        model["parametrization"] = {"name": "mup", "base_hidden_size": base}
+    if name != "sp":
+        model["parametrization"] = {"name": name, "base_hidden_size": base_width}
+    if name == "completep":
+        model["parametrization"] |= {"base_num_layers": base_depth, "completep_alpha": 1.0}
     return {
-        "general": {"project": "bench", "run": "lr-sweep", "seed": 5},
+        "general": {"project": "bench", "run": "lr-sweep", "seed": seed},
         "model": model,
         "tokens": {"sequence_length": SEQ, "micro_batch_size": 4,
                    "batch_accumulation_per_replica": 2, "train_steps": steps},
@@ -57,90 +69,117 @@ def config(width: int, base: int, name: str, lr: float, steps: int, data: str) -
                                         "lr_decay_style": "linear", "min_decay_lr": lr},
         },
         "data_stages": [{"name": "s", "start_training_step": 1,
-                         "data": {"dataset": {"dataset_folder": data}, "seed": 3}}],
-        # every step's loss; the detectors' warnings (spikes, throughput drops) are off
-        "logging": {"iteration_step_info_interval": 1, "log_level": "error"},
+                         "data": {"dataset": {"dataset_folder": data}, "seed": seed}}],
+        # every step's loss; the detectors' warnings (spikes, throughput drops on a loaded
+        # machine) are off or as good as off
+        "logging": {"iteration_step_info_interval": 1, "log_level": "error",
+                    "throughput_drop_fraction": 0.01},
         "fault_tolerance": {"loss_spike_window": 0, "grad_norm_spike_window": 0},
     }  # fmt: skip
 
 
-def best(losses: list[float]) -> int:
-    """The index of the lowest finite loss (a diverged run is NaN)."""
-    return min(range(len(losses)), key=lambda i: losses[i] if math.isfinite(losses[i]) else 1e9)
+def final_loss(job: tuple[Run, int, int, int, str]) -> tuple[Run, float]:
+    """One run in its own world of one (a pool worker runs many in turn)."""
+    run, base_width, base_depth, steps, data = job
+    torch.set_num_threads(1)
+    records: list[dict] = []
+    with shared_default_group():
+        pc = ParallelContext(1, 1, 1)
+        try:
+            raw = config(run, base_width, base_depth, steps, data)
+            Trainer(config_from_dict(raw, "bench"), pc, stream=io.StringIO()).train(records.append)
+        finally:
+            pc.destroy()
+    tail = [r["lm_loss"] for r in records[-TAIL:]]
+    return run, sum(tail) / len(tail) if all(math.isfinite(x) for x in tail) else float("nan")
 
 
-def final_loss(raw: dict) -> float:
-    pc = ParallelContext(1, 1, 1)
-    try:
-        records: list[dict] = []
-        Trainer(config_from_dict(raw, "bench"), pc, stream=io.StringIO()).train(records.append)
-    finally:
-        pc.destroy()
-    tail = [r["lm_loss"] for r in records[-5:]]
-    return sum(tail) / len(tail) if all(math.isfinite(x) for x in tail) else float("nan")
+def curves_wanted(a: argparse.Namespace) -> dict[tuple[str, str, int], tuple[str, int, int]]:
+    """(sweep, parametrization, size) -> the run's (parametrization, width, depth). CompleteP
+    at the base depth is µP (every depth multiplier is 1), so that curve reuses µP's runs."""
+    bw, bd = min(a.widths), min(a.depths)
+    want = {("width", n, w): (n, w, bd) for n in ("sp", "mup") for w in a.widths}
+    want |= {("depth", "mup", d): ("mup", bw, d) for d in a.depths}
+    want |= {
+        ("depth", "completep", d): ("completep" if d != bd else "mup", bw, d) for d in a.depths
+    }
+    return want
 
 
-def svg(curves: dict[tuple[str, int], list[float]], path: Path) -> None:
-    """Loss against log2(lr), one polyline per (parametrization, width); diverged points
-    left out."""
-    w, h, pad = 560, 360, 50
-    finite = [v for c in curves.values() for v in c if math.isfinite(v)]
-    lo, hi = min(finite), min(max(finite), min(finite) + 3.0)  # a diverged run off the top
-    x = lambda i: pad + i * (w - 2 * pad) / (len(LRS) - 1)  # noqa: E731
-    y = lambda v: h - pad - (min(v, hi) - lo) / (hi - lo) * (h - 2 * pad)  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           'font-family="sans-serif" font-size="11">',
-           f'<rect width="{w}" height="{h}" fill="white"/>']  # fmt: skip
-    for i, lr in enumerate(LRS):
-        out.append(
-            f'<text x="{x(i):.0f}" y="{h - pad + 16}" text-anchor="middle">2^{int(math.log2(lr))}</text>'
-        )
-    out.append(f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle">learning rate</text>')
-    out.append(f'<text x="{pad - 40}" y="{pad - 20}">loss (mean of the last 5 steps)</text>')
-    for k in range(5):
-        v = lo + k * (hi - lo) / 4
-        out.append(f'<text x="{pad - 6}" y="{y(v) + 4:.0f}" text-anchor="end">{v:.2f}</text>')
-    for n, ((name, width), losses) in enumerate(sorted(curves.items())):
-        colour = COLOURS[name][0 if width == min(wd for _, wd in curves) else 1]
-        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(losses) if math.isfinite(v))
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"/>')
-        b = best(losses)
-        out.append(f'<circle cx="{x(b):.1f}" cy="{y(losses[b]):.1f}" r="4" fill="{colour}"/>')
-        out.append(
-            f'<text x="{w - pad - 110}" y="{pad + 14 * n}" fill="{colour}">{name} width {width}</text>'
-        )
-    out.append("</svg>")
-    path.write_text("\n".join(out) + "\n")
+def median(xs: list[float]) -> float:
+    """A diverged seed (NaN) counts as the worst."""
+    m = statistics.median([x if math.isfinite(x) else math.inf for x in xs])
+    return m if math.isfinite(m) else float("nan")
+
+
+def table(sweep: str, rows: dict[tuple[str, int], list[list[float]]], lrs: list[float]) -> str:
+    """Markdown: the median over seeds per rate (the best in bold), then each seed's best."""
+    head = f"| parametrization | {sweep} | " + " | ".join(f"2^{int(math.log2(lr))}" for lr in lrs)
+    lines = [head + " | best per seed |", "|---" * (len(lrs) + 3) + "|"]
+    for (name, size), per_seed in rows.items():
+        med = [median([s[i] for s in per_seed]) for i in range(len(lrs))]
+        cells = [f"**{v:.3f}**" if i == best(med) else f"{v:.3f}" for i, v in enumerate(med)]
+        seeds = ", ".join(f"2^{int(math.log2(lrs[best(s)]))}" for s in per_seed)
+        lines.append(f"| {name} | {size} | " + " | ".join(cells) + f" | {seeds} |")
+    return "\n".join(lines)
+
+
+def moves(sweep: str, rows: dict[tuple[str, int], list[list[float]]], lrs: list[float]) -> str:
+    out = []
+    for name in dict.fromkeys(n for n, _ in rows):
+        sizes = [s for n, s in rows if n == name]
+        bests = []
+        for s in sizes:
+            per_seed = rows[name, s]
+            bests.append(int(math.log2(lrs[best([median([p[i] for p in per_seed])
+                                                 for i in range(len(lrs))])])))  # fmt: skip
+        path = " -> ".join(f"2^{b}" for b in bests)
+        span = max(bests) - min(bests)
+        out.append(f"{name} across {sweep} {sizes}: best rate {path} (spread {span} sweep steps)")
+    return "\n".join(out)
 
 
 def main() -> None:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    args.add_argument("--steps", type=int, default=30)
-    args.add_argument("--widths", type=int, nargs=2, default=[64, 256])
+    args.add_argument("--steps", type=int, default=40)
+    args.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
+    args.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8])
+    args.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    args.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
+    args.add_argument("--quick", action="store_true", help="2 rates, 3 steps, tiny sizes")
     args.add_argument("--out", default="mup_lr_sweep.svg")
     a = args.parse_args()
-    torch.set_num_threads(1)
+    lrs = LRS
+    if a.quick:
+        lrs, a.steps, a.widths, a.depths, a.seeds = [2.0**-8, 2.0**-6], 6, [16, 32], [1, 2], [1]
     root = str(Path(sysconfig.get_paths()["stdlib"]) / "asyncio")
     _, nanoset = prepare_default_corpus(".cache/data-lr-sweep", VOCAB, root=root, progress=False)
-    base = min(a.widths)
-    curves: dict[tuple[str, int], list[float]] = {}
-    with shared_default_group():
-        for name in ("sp", "mup"):
-            for width in a.widths:
-                curves[name, width] = [
-                    final_loss(config(width, base, name, lr, a.steps, str(nanoset))) for lr in LRS
-                ]
-                print(name, width, " ".join(f"{v:.3f}" for v in curves[name, width]), flush=True)
-    print(f"\nloss (mean of the last 5 of {a.steps} steps) per learning rate; * the best")
-    print("parametrization  width  " + "  ".join(f"2^{int(math.log2(lr)):<4}" for lr in LRS))
-    for (name, width), losses in curves.items():
-        cells = [f"{v:5.3f}{'*' if i == best(losses) else ' '}" for i, v in enumerate(losses)]
-        print(f"{name:<16} {width:<6} " + " ".join(cells))
-    for name in ("sp", "mup"):
-        moves = [int(math.log2(LRS[best(curves[name, w])])) for w in a.widths]
-        print(f"{name}: best learning rate 2^{moves[0]} at width {a.widths[0]}, "
-              f"2^{moves[1]} at width {a.widths[1]} ({moves[1] - moves[0]:+d} sweep steps)")  # fmt: skip
-    svg(curves, Path(a.out))
+    want = curves_wanted(a)
+    runs = sorted(
+        {(*r, lr, s) for r in want.values() for lr in lrs for s in a.seeds},
+        key=lambda r: -r[1] * r[2],
+    )  # biggest first: the pool ends together
+    jobs = [(r, min(a.widths), min(a.depths), a.steps, str(nanoset)) for r in runs]
+    print(f"{len(runs)} runs, {a.jobs} at a time", flush=True)
+    with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
+        loss = dict(pool.imap_unordered(final_loss, jobs))
+    print(f"\nloss: the median over seeds {a.seeds} of the mean of the last {TAIL} of "
+          f"{a.steps} steps; best per seed: each seed's own best rate\n")  # fmt: skip
+    rows: dict[str, dict[tuple[str, int], list[list[float]]]] = {"width": {}, "depth": {}}
+    for (sweep, name, size), (n, w, d) in want.items():
+        rows[sweep][name, size] = [[loss[n, w, d, lr, s] for lr in lrs] for s in a.seeds]
+    for sweep in ("width", "depth"):
+        print(table(sweep, rows[sweep], lrs) + "\n")
+        print(moves(sweep, rows[sweep], lrs) + "\n")
+    panels = [
+        (f"{name} across {sweep}", name,
+         {f"{sweep} {s}": [median([p[i] for p in ps]) for i in range(len(lrs))]
+          for (n, s), ps in rows[sweep].items() if n == name})
+        for sweep, names in (("width", ("sp", "mup")), ("depth", ("mup", "completep")))
+        for name in names
+    ]  # fmt: skip
+    write_svg(panels, lrs, f"loss (median over {len(a.seeds)} seeds, last {TAIL} steps)",
+              Path(a.out))  # fmt: skip
     print(f"curves: {a.out}")
 
 
