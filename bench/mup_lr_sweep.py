@@ -27,6 +27,7 @@ import math
 import multiprocessing
 import statistics
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -161,8 +162,13 @@ def main() -> None:
     )  # biggest first: the pool ends together
     jobs = [(r, min(a.widths), min(a.depths), a.steps, str(nanoset)) for r in runs]
     print(f"{len(runs)} runs, {a.jobs} at a time", flush=True)
+    loss: dict[Run, float] = {}
+    start = time.monotonic()
     with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
-        loss = dict(pool.imap_unordered(final_loss, jobs))
+        for run, value in pool.imap_unordered(final_loss, jobs):
+            loss[run] = value
+            if len(loss) % 10 == 0:
+                print(f"{len(loss)}/{len(runs)} runs, {time.monotonic() - start:.0f} s", flush=True)
     print(f"\nloss: the median over seeds {a.seeds} of the mean of the last {TAIL} of "
           f"{a.steps} steps; best per seed: each seed's own best rate\n")  # fmt: skip
     rows: dict[str, dict[tuple[str, int], list[list[float]]]] = {"width": {}, "depth": {}}
