@@ -7,9 +7,9 @@ q.k/sqrt(d) of the q and k it attended with; each router's entropy equals the me
 the probabilities it returned (a Qwen2-MoE model); the steps without statistics run no host
 sync, register no hook and leave no probe set. Layouts, in one launch of 4 processes: tp=2 x
 pp=2 (tied embedding on both ends), dp=2 ZeRO-3 x tp=2 sequence parallel, dp=2 ZeRO-1 x pp=2,
-cp=2 (all-gather) x dp=2, cp=2 (Ulysses) x tp=2, and the MoE model at tp=2 sequence parallel x
-dp=2 give every statistic of every row (parameters, blocks, attention layers, routers) within
-1e-5 of one process.
+cp=2 x dp=2 with each context-parallel attention (all-gather, ring) and cp=2 (Ulysses) x tp=2,
+and the MoE model at tp=2 sequence parallel x dp=2 give every statistic of every row
+(parameters, blocks, attention layers, routers) within 1e-5 of one process.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ LAYOUTS = [
     {"dp": 2, "tp": 1, "pp": 2, "zero": 1},
     {"dp": 2, "tp": 1, "pp": 1, "cp": 2},  # all-gather context-parallel attention
     {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "par": {"cp_attention": "ulysses"}},
+    {"dp": 2, "tp": 1, "pp": 1, "cp": 2, "par": {"cp_attention": "ring"}},  # its own blocks
 ]
 MOE_LAYOUTS = [
     {"dp": 2, "tp": 2, "pp": 1, "mode": "REDUCE_SCATTER", "moe": True},

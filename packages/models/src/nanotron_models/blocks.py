@@ -36,7 +36,7 @@ from .masks import (
     masked_attention,
     shared_mask,
 )
-from .probes import ATTN_MAX_LOGIT, max_attention_logit, probing_kernel
+from .probes import ATTN_MAX_LOGIT, max_attention_logit, max_logit_observer
 from .rms_norm_function import RMSNormFunction as _RMSNormFunction
 from .rotary import RotaryTable, apply_rotary, rotate_qkv
 
@@ -186,11 +186,11 @@ class Attention(nn.Module):
         mask = self.mask(doc_ids, kv_cache is not None)
         if self.cp_size > 1 and kv_cache is None and key_mask is None:
             kernel = index_kernel(mask, backend, attention)
-            if self.probe is not None:  # a detail step: the max logit of each kernel call
-                kernel = probing_kernel(kernel, self.probe, mask)
+            # a detail step: the max logit of each block of scores the attention computes
+            observe = max_logit_observer(self.probe, mask) if self.probe is not None else None
             out = context_parallel_attention(
                 q, k, v, self.cp_group, kernel, self.cp_native,
-                method=self.cp_attention, mask_fn=mask,
+                method=self.cp_attention, mask_fn=mask, observe=observe,
             )  # fmt: skip
         elif mask is not None:
             s_k = k.shape[0]

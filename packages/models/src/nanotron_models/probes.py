@@ -65,19 +65,16 @@ def max_attention_logit(
     return best
 
 
-def probing_kernel(kernel, probe: torch.Tensor, mask=None):
-    """A context-parallel kernel `(q, k, v, q_index, k_index)` (nanotron_parallel's contract)
-    that also folds the max logit of each call into `probe`: the all-gather and Ulysses
-    attentions call it with this rank's queries (or heads) against the keys they see. (The
-    ring runs its own block kernels: no max logit there. A backward that re-runs the kernel
-    adds the same values again, which leaves a maximum unchanged.)"""
+def max_logit_observer(probe: torch.Tensor, mask=None):
+    """A context-parallel attention's observer (nanotron_parallel's `Observer`) that folds the
+    max logit of each block of queries and keys it is shown into `probe`: the ring's blocks,
+    the all-gather's and Ulysses' kernel calls (each rank its queries, or heads, against the
+    keys they see). A backward that shows a block again leaves the maximum unchanged."""
 
-    def call(q, k, v, q_index, k_index):
-        found = max_attention_logit(q, k, mask, q_index, k_index)
-        probe.copy_(torch.maximum(probe, found))
-        return kernel(q, k, v, q_index, k_index)
+    def observe(q, k, q_index, k_index) -> None:
+        probe.copy_(torch.maximum(probe, max_attention_logit(q, k, mask, q_index, k_index)))
 
-    return call
+    return observe
 
 
 @torch.no_grad()

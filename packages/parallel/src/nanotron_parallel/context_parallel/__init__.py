@@ -24,7 +24,15 @@ import torch.distributed as dist
 from nanotron_parallel.compile_boundary import eager_under_compile
 
 from .allgather import allgather_attention
-from .kernels import Kernel, MaskFn, causal_kernel, reference_attention, reference_kernel
+from .kernels import (
+    Kernel,
+    MaskFn,
+    Observer,
+    causal_kernel,
+    observed_kernel,
+    reference_attention,
+    reference_kernel,
+)
 from .layout import (
     LABEL_COUNT_KEY,
     SEQUENCE_KEYS,
@@ -45,6 +53,7 @@ __all__ = [
     "SEQUENCE_KEYS",
     "Kernel",
     "MaskFn",
+    "Observer",
     "causal_kernel",
     "chunk_ids",
     "chunk_size",
@@ -68,20 +77,26 @@ def context_parallel_attention(
     *,
     method: str = "allgather",
     mask_fn: MaskFn | None = None,
+    observe: Observer | None = None,
 ) -> torch.Tensor:
     """Causal attention of this cp rank's queries q [2C, b, h, d] over the whole sequence,
     whose keys and values k, v [2C, b, kv, d] are spread over `group` in the layout above.
     Returns [2C, b, h, d]. `kernel(q, k, v, q_index, k_index)`: the single-device attention
     by global positions (kernels.py), applying the model's mask; `mask_fn`: that mask, for
     the ring's own block kernels. `native_reduce_scatter`: the all-gather's dK/dV reduction
-    (tensor_parallel.functional.native_reduce_scatter)."""
-    if dist.get_world_size(group) == 1:
+    (tensor_parallel.functional.native_reduce_scatter). `observe` (kernels.Observer): shown
+    the queries and keys of every block of scores the forward computes, with their global
+    positions (the ring's blocks; the all-gather's and Ulysses' kernel calls)."""
+    single = dist.get_world_size(group) == 1
+    if observe is not None and (method != "ring" or single):  # the ring observes its blocks
+        kernel = observed_kernel(kernel, observe)
+    if single:
         index = torch.arange(q.shape[0], device=q.device)
         return kernel(q, k, v, index, index)
     if method == "allgather":
         return allgather_attention(q, k, v, group, kernel, native_reduce_scatter)
     if method == "ring":
-        return ring_attention(q, k, v, group, mask_fn)
+        return ring_attention(q, k, v, group, mask_fn, observe)
     if method == "ulysses":
         return ulysses_attention(q, k, v, group, kernel)
     raise ValueError(f"unknown context-parallel attention {method!r}: one of {CP_ATTENTIONS}")

@@ -33,6 +33,9 @@ import torch
 
 Kernel = Callable[..., torch.Tensor]  # (q, k, v, q_index, k_index) -> out
 MaskFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (q_index, k_index) -> allowed
+# Shown (q, k, q_index, k_index) of each block of scores an attention computes in its forward
+# (a statistic of the scores, e.g. their maximum); returns nothing, changes nothing.
+Observer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # How a block's keys sit against its queries when no mask_fn is given: all visible, or the
 # diagonal block of a causal mask (s_q == s_k, same positions). None: read the indices.
 BlockKind = Literal["full", "causal"] | None
@@ -44,6 +47,17 @@ def causal_kernel(kernel: Callable[..., torch.Tensor]) -> Kernel:
 
     def call(q, k, v, q_index, k_index):
         return kernel(q, k, v)
+
+    return call
+
+
+def observed_kernel(kernel: Kernel, observe: Observer) -> Kernel:
+    """`kernel` that first shows `observe` its queries and keys (the all-gather and Ulysses
+    attentions: each call is a block; a backward that re-runs the kernel shows them again)."""
+
+    def call(q, k, v, q_index, k_index):
+        observe(q, k, q_index, k_index)
+        return kernel(q, k, v, q_index, k_index)
 
     return call
 

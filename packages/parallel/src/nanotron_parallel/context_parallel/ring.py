@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .kernels import MaskFn, block_backward, block_forward
+from .kernels import MaskFn, Observer, block_backward, block_forward
 from .layout import local_positions
 
 _KV_TAG, _GRAD_TAG = 16, 18  # k and v: tags 16, 17; dk and dv: 18, 19
@@ -74,7 +74,7 @@ def _merge(out, lse, block_out, block_lse, rows: slice) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, mask_fn):
+    def forward(ctx, q, k, v, group, mask_fn, observe):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         c, seq = q.shape[0] // 2, q.shape[0] * cp
         q_pos = local_positions(seq, rank, cp, q.device)
@@ -85,6 +85,8 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, kind = _block(step, rank, cp, c)
             k_pos = local_positions(seq, (rank - step) % cp, cp, q.device)
             kb, vb = kv[0][cols], kv[1][cols]
+            if observe is not None:  # the forward's blocks only: the backward's are the same
+                observe(q[rows], kb, q_pos[rows], k_pos[cols])
             o, o_lse = block_forward(q[rows], kb, vb, q_pos[rows], k_pos[cols], kind, mask_fn)
             if out is None:
                 out, lse = o, o_lse
@@ -131,10 +133,13 @@ class _RingAttention(torch.autograd.Function):
                 _wait(kv_works)
                 kv = arriving
         _wait(grad_works)  # back at its owner: this rank's block, from every rank
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, mask_fn: MaskFn | None = None) -> torch.Tensor:
+def ring_attention(
+    q, k, v, group, mask_fn: MaskFn | None = None, observe: Observer | None = None
+) -> torch.Tensor:
     """Causal attention of this cp rank's q [2C, b, h, d] over the whole sequence, whose keys
-    and values [2C, b, kv, d] are spread over `group` (layout.py), by a ring of p2p transfers."""
-    return _RingAttention.apply(q, k, v, group, mask_fn)
+    and values [2C, b, kv, d] are spread over `group` (layout.py), by a ring of p2p transfers.
+    `observe` (kernels.Observer) is shown each block's queries and keys in the forward."""
+    return _RingAttention.apply(q, k, v, group, mask_fn, observe)

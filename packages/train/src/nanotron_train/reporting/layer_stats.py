@@ -19,8 +19,9 @@ the routers' entropies and token counts; the max logit is the maximum over every
 hold other heads, dp/cp ranks other tokens, a stage without the layer -inf). All of it is ONE
 float64 tensor and ONE collective over the world per detail step (an all-reduce; an all-gather,
 summed and maxed on the device, when there are maxima), read on the host once. Under context
-parallelism the all-gather and Ulysses attentions give the max logit through their kernel (each
-rank its queries or heads against the keys they see); the ring does not (no such row).
+parallelism each attention shows the layer every block of scores it computes (nanotron_parallel's
+`observe`: the all-gather's and Ulysses' kernel calls, the ring's blocks), each rank its queries
+or heads against the keys they see, so the maximum over the ranks is one process's.
 
 Under `model.compile` there is no activation RMS: a hook added to a compiled block for one
 step would recompile it. Cost: nothing on other steps (no hook is registered, nothing is read). On a detail step the
@@ -205,7 +206,7 @@ class LayerStats:
         ent = packed[3 * p + 2 * b : summed]
         rows = enumerate(self.router_rows)
         router = {n: ent[2 * i] / ent[2 * i + 1] for i, n in rows if ent[2 * i + 1]}
-        # -inf: no rank measured the layer (ring context-parallel attention)
+        # -inf: no rank measured the layer (none ran its forward)
         logits = {n: v for n, v in zip(self.attn_rows, packed[summed:]) if v != float("-inf")}
         probed = {"act_rms": act, ROUTER_ENTROPY: router, ATTN_MAX_LOGIT: logits}
         return out | {k: v for k, v in probed.items() if v}
