@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def overrides_of(args: argparse.Namespace) -> list[str]:
     """--override values, and --resume as checkpoints.resume_checkpoint_path."""
     overrides = list(args.override)
+    if getattr(args, "auto", False):  # after the user's: --auto wins over parallelism keys
+        overrides.append("parallelism.auto=true")
     if args.resume:  # quoted so that YAML keeps a string
         overrides.append(f"checkpoints.resume_checkpoint_path={json.dumps(args.resume)}")
     return overrides
@@ -47,6 +49,12 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="change one config value (repeatable), e.g. tokens.train_steps=20",
+    )
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="train with the layout planner's best fitting layout for the world size "
+        "(as parallelism: auto): dp/tp/pp/cp/ep, ZeRO stage, micro-batch size, recompute",
     )
     parser.add_argument(
         "--resume",
@@ -80,6 +88,19 @@ def _warner(rank: int) -> Callable[[str], None] | None:
     return lambda line: print(line, file=sys.stderr, flush=True)
 
 
+def _auto_layout(cfg, world_size: int, args: argparse.Namespace, rank: int):
+    """parallelism: auto: the planner's layout; rank 0 prints why (not under
+    nanotron_train.launch, which printed it before starting the workers)."""
+    from nanotron_train.config.training_inputs import config_source
+    from nanotron_train.plan.auto import resolve
+
+    source = config_source(args.config_file, overrides_of(args))
+    cfg, block = resolve(cfg, world_size, source=source)
+    if block and rank == 0 and not os.environ.get(QUIET_ENV):
+        print(block, flush=True)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -87,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_launcher()  # a torchrun worker exits when torchrun dies (fault/launcher.py)
     try:
         cfg = load_config(args.config_file, overrides_of(args), world_size=world_size)
+        cfg = _auto_layout(cfg, world_size, args, rank)
         cfg = prepare_for_training(cfg, args.config_file, overrides_of(args), _warner(rank))
         from nanotron_train.reporting.metrics import check_optional_sinks
         from nanotron_train.trainer import train

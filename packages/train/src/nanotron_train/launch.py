@@ -37,13 +37,29 @@ def _print(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _auto_layout(cfg, args: argparse.Namespace, source: str):
+    """parallelism: auto: choose and print the layout before starting any worker (each worker
+    chooses the same again); nothing fitting is the one-line error. An elastic world size is
+    not known here: the workers choose."""
+    from nanotron_train.plan.auto import resolve
+
+    world = _world_size(args)
+    if world is None:
+        return cfg
+    per_node = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else world
+    cfg, block = resolve(cfg, world, per_node, source)
+    if block:
+        print(block, flush=True)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     from nanotron_train.config.load import load_config
-    from nanotron_train.config.training_inputs import prepare_for_training
+    from nanotron_train.config.training_inputs import config_source, prepare_for_training
 
     ours = argparse.ArgumentParser(add_help=False)
     add_trainer_args(ours)
@@ -53,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         forwarded += ["--override", assignment]
     if mine.resume:
         forwarded += ["--resume", mine.resume]
+    if mine.auto:  # the workers choose the same layout (plan/auto.py): printed here once
+        forwarded.append("--auto")
     args = get_args_parser().parse_args([*torchrun_args, "-m", "nanotron_train", *forwarded])
     try:
         cfg = load_config(mine.config_file, overrides_of(mine), _world_size(args))
+        cfg = _auto_layout(cfg, args, config_source(mine.config_file, overrides_of(mine)))
         prepare_for_training(cfg, mine.config_file, overrides_of(mine), warn=_print)  # data
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -420,7 +420,12 @@ def _world_size_check(world_size: int | None) -> Check:
             f"{names} = {values}{par.tp}*{par.pp} = {product(c)} but the world size is {world_size}"
         )
 
-    return Check("parallelism", lambda c: world_size is None or product(c) == world_size, message)
+    # parallelism.auto: the layout is chosen for the world size after loading (plan/auto.py)
+    return Check(
+        "parallelism",
+        lambda c: world_size is None or c.parallelism.auto or product(c) == world_size,
+        message,
+    )
 
 
 def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:

@@ -36,12 +36,21 @@ def config_from_dict(
     data: dict[str, Any], source: str = "<config>", world_size: int | None = None
 ) -> Config:
     """Typed config from a raw mapping, validated (world size checked when given)."""
+    data = _auto_layout(data)
     data = upgrade_optimizer_layout(_token_ids_default_to_the_tokenizers(data), source)
     cfg = from_dict(Config, data, "", source)
     cfg.general.run = expand_run_name(cfg.general.run)
     validate(cfg, source, world_size)
     run_checks(INIT_CHECKS, source, cfg)
     return cfg
+
+
+def _auto_layout(data: dict[str, Any]) -> dict[str, Any]:
+    """`parallelism: auto` is `parallelism: {auto: true}` (ours: plan/auto.py chooses the
+    layout); any other string is left to the type check's one line."""
+    if isinstance(data.get("parallelism"), str) and data["parallelism"].lower() == "auto":
+        return {**data, "parallelism": {"auto": True}}
+    return data
 
 
 def _token_ids_default_to_the_tokenizers(data: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +83,7 @@ def load_config(
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("", "the top level must be a mapping of sections", source)
+    data = _auto_layout(data)  # before overrides, which may set keys of the section
     for assignment in overrides:
         apply_override(data, assignment)
     if overrides:
