@@ -109,3 +109,27 @@ def test_blocks_are_made_once_and_no_scalar_is_copied():
     # group 1: 1073 + 1000 + 3000 elements in 6 blocks; group 2: 7 + 4096 in 5 (the 7 shares)
     assert [len(b) for b in made[2]] == [6, 5]
     assert counts["aten::_foreach_addcdiv_"] == 11
+    # the step counters are not read back (kept on the host), the constants made once: per
+    # step only each group's bias correction and group 1's decay factor are new 0-d tensors
+    assert counts.get("aten::item", 0) == 0
+    assert counts["aten::scalar_tensor"] == 3
+
+
+def test_step_counters_written_elsewhere_are_read_again():
+    """A counter changed in place (as a loader copying into the state would) or replaced is
+    read again, so the bias corrections follow torch's AdamW bitwise."""
+    ref, ours = _params(0), _params(0)
+    opt_ref, opt = _adamw(ref, foreach=False), _adamw(ours, foreach=False)
+    for step in range(1, 5):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ref, ours):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        if step == 3:  # torch's state and ours: counters moved on by 5, one replaced
+            for o, ps in ((opt_ref, ref), (opt, ours)):
+                o.state[ps[0]]["step"].add_(5.0)
+                o.state[ps[3]]["step"] = torch.tensor(7.0)
+        opt_ref.step()
+        blocked_adamw_step(opt, block=1000)
+    _same(opt, opt_ref)
+    assert opt.state[ours[0]]["step"].item() == 9.0 and opt.state[ours[3]]["step"].item() == 9.0

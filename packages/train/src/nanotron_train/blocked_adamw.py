@@ -18,7 +18,9 @@ per block instead of five Python-level calls per parameter. The blocks' views ar
 and reused while the parameters, gradients and moments stay the same tensors. The step's
 scalars (decay factor, bias correction, beta2, eps) are 0-d fp32 tensors: an op given a
 Python float first copies it into such a tensor, one scalar copy per call; the value is the
-same fp32 number either way.
+same fp32 number either way. The per-parameter step counters are 0-d tensors too (torch's
+state, saved in checkpoints); their values are kept on the host from step to step instead of
+read back with one `.item()` per parameter per step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,43 @@ def _state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 def _scalar(value: float) -> torch.Tensor:
     return torch.scalar_tensor(value, dtype=torch.float32)  # one op, no copy
+
+
+# The constants (1, beta2, eps) as 0-d tensors, made once per value: only ever read.
+_CONSTANTS: dict[float, torch.Tensor] = {}
+
+
+def _constant(value: float) -> torch.Tensor:
+    tensor = _CONSTANTS.get(value)
+    if tensor is None:
+        tensor = _CONSTANTS[value] = _scalar(value)
+    return tensor
+
+
+# fp32 counts every integer up to here exactly; past it `+ 1` may round, so read the tensors.
+_EXACT_COUNTS = float(1 << 24)
+
+
+def _advance_steps(opt, group_index: int, step_tensors: list[torch.Tensor]) -> list[float]:
+    """Add 1 to each parameter's step counter (0-d fp32, as torch's AdamW keeps it) and return
+    the new values. They are read on the host (one `.item()` each) only when they may have
+    changed since the last step other than by our own `+ 1`: a different tensor (a loaded
+    checkpoint makes new ones) or another in-place write (its version counter moved)."""
+    torch._foreach_add_(step_tensors, [_constant(1.0)] * len(step_tensors))
+    cache = opt.__dict__.setdefault("_nanotron_steps", {})
+    hit = cache.get(group_index)
+    if (
+        hit is not None
+        and len(hit[0]) == len(step_tensors)
+        and all(a is b for a, b in zip(hit[0], step_tensors))
+        and all(t._version == v + 1 for t, v in zip(step_tensors, hit[1]))
+        and max(hit[2]) < _EXACT_COUNTS
+    ):
+        steps = [s + 1.0 for s in hit[2]]
+    else:
+        steps = [t.item() for t in step_tensors]  # host tensors: no device sync
+    cache[group_index] = (list(step_tensors), [t._version for t in step_tensors], steps)
+    return steps
 
 
 Block = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
@@ -109,20 +148,17 @@ def _step_blocks(blocks: list[Block], group: dict, tensors: dict, step: float) -
 def blocked_adamw_step(opt: torch.optim.AdamW, block: int = BLOCK) -> None:
     """One step of `opt` (an AdamW without amsgrad, maximize or complex parameters) over the
     parameters that have a gradient, block by block."""
-    one = _scalar(1.0)
     for gi, group in enumerate(opt.param_groups):
         lr, wd = group["lr"], group["weight_decay"]
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             continue
         states = [_state(opt, p) for p in params]
-        step_tensors = [s["step"] for s in states]
-        torch._foreach_add_(step_tensors, [one] * len(step_tensors))
-        steps = [t.item() for t in step_tensors]  # host tensors: no device sync
+        steps = _advance_steps(opt, gi, [s["step"] for s in states])
         tensors = {
             "decay": _scalar(1 - lr * wd) if wd != 0 else None,
-            "beta2": _scalar(group["betas"][1]),
-            "eps": _scalar(group["eps"]),
+            "beta2": _constant(group["betas"][1]),
+            "eps": _constant(group["eps"]),
         }
         if len(set(steps)) == 1:  # always, unless a parameter went without a gradient
             blocks = _cached_blocks(opt, gi, params, states, block)
