@@ -399,6 +399,12 @@ def test_hf_dataset_mixer_selects_nanotron_rows(tmp_path):
     assert stream(mix, hf_dataset_splits=["train", "test"]) == want  # test: unused, as there
     cache = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert len(cache) == 2 and cache[1].startswith("mix-")  # mixed and tokenized once
+    # dataset_overwrite_cache: mixed and tokenized again under the same keys (the tokens were
+    # keyed by the rebuilt mix's file times: each run left another token folder behind)
+    stamps = [(tmp_path / "cache" / n).stat().st_mtime_ns for n in cache]
+    assert stream(mix, dataset_overwrite_cache=True) == want
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == cache
+    assert [(tmp_path / "cache" / n).stat().st_mtime_ns for n in cache] != stamps
     assert sorted(p.name for p in (tmp_path / "a" / "train").iterdir()) == [
         "data-00000-of-00001.arrow", "dataset_info.json", "state.json",
     ]  # nothing written into the user's dataset  # fmt: skip

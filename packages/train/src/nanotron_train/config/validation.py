@@ -22,7 +22,13 @@ if TYPE_CHECKING:
     from nanotron_train.config.schema import Config
 _USED = ("dataset_folder", "dataset_weights", "eod_mask_loss")
 # held-out conversations (data/sft.py): the SFT keys of data_stages[].data.dataset
-_USED_SFT = ("hf_dataset_or_datasets", "sft_dataloader", "debug_max_samples", "chat_template")
+_USED_SFT = (
+    "hf_dataset_or_datasets",
+    "sft_dataloader",
+    "debug_max_samples",
+    "chat_template",
+    "dataset_overwrite_cache",
+)
 
 
 def _split(cfg: Config) -> bool:

@@ -26,13 +26,21 @@ WAIT_TIMEOUT_S = 6 * 3600
 
 
 def cache_key(
-    inputs: list[str] | str, text_column: str, tokenizer_file: str, splits: list[str] | None = None
+    inputs: list[str] | str,
+    text_column: str,
+    tokenizer_file: str,
+    splits: list[str] | None = None,
+    identity: str | None = None,
 ) -> str:
-    parts = []
-    for src in expand_inputs(inputs):
-        for f in source_files(src):
-            st = f.stat()
-            parts.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    """`identity`: what stands for the inputs in the key instead of their files' stats (a
+    dataset mix's own key: its saved files get new times each time it is rebuilt, and the
+    tokens would then pile up under a new key per run)."""
+    parts: list | str = identity or []
+    if identity is None:
+        for src in expand_inputs(inputs):
+            for f in source_files(src):
+                st = f.stat()
+                parts.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     blob = json.dumps(
         {
             "format_version": FORMAT_VERSION,
@@ -57,9 +65,11 @@ def cached_nanoset(
     num_workers: int | None = None,
     splits: list[str] | None = None,
     overwrite: bool = False,
+    identity: str | None = None,
 ) -> Path:
     """The Nanoset folder for a raw local dataset, building it on first use (`overwrite`:
-    building it again even when cached; `splits`: of a saved DatasetDict).
+    building it again even when cached, in the same folder; `splits`: of a saved
+    DatasetDict; `identity`: see cache_key).
 
     `barrier(error)`: the builder posts its outcome (None = built), every other rank waits for
     it and gets the builder's error back (or None).
@@ -70,7 +80,7 @@ def cached_nanoset(
             "tokenize it"
         )
     tok = load_tokenizer(tokenizer_path)
-    folder = Path(cache_dir) / cache_key(inputs, text_column, tok.path, splits)
+    folder = Path(cache_dir) / cache_key(inputs, text_column, tok.path, splits, identity)
     if is_builder and (overwrite or not (folder / METADATA_FILE).is_file()):
         try:
             tokenize_to_nanoset(
@@ -83,14 +93,26 @@ def cached_nanoset(
                     f"{type(exc).__name__}: {exc}" if not isinstance(exc, DataError) else str(exc)
                 )
             raise
+    await_builder(folder, METADATA_FILE, barrier, is_builder, "data cache")
+    return folder
+
+
+def await_builder(
+    folder: Path,
+    marker: str,
+    barrier: Callable[[str | None], str | None] | None,
+    is_builder: bool,
+    what: str,
+) -> None:
+    """Every rank but the builder waits until `folder` is built: on the barrier (which carries
+    the builder's error, raised here), else by polling for `marker`, written last."""
     if barrier is not None:
         error = barrier(None)
         if error and not is_builder:
-            raise DataError(f"the rank building the data cache {folder} failed: {error}")
+            raise DataError(f"the rank building the {what} {folder} failed: {error}")
     elif not is_builder:  # no barrier given: poll for the builder's atomic rename
         deadline = time.monotonic() + WAIT_TIMEOUT_S
-        while not (folder / METADATA_FILE).is_file():
+        while not (folder / marker).is_file():
             if time.monotonic() > deadline:
                 raise DataError(f"{folder}: timed out waiting for the builder rank")
             time.sleep(1.0)
-    return folder

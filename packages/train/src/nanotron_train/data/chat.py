@@ -2,9 +2,10 @@
 with a mask of the assistant's tokens, and packed several to a sequence.
 
 A conversation is `{"messages": [{"role": ..., "content": ...}, ...]}` (one JSONL line). Its
-text is the tokenizer's chat template (`tokenizer_config.json`'s `chat_template`, or one given)
-rendered as transformers renders it: Jinja2 in a sandbox, `trim_blocks` / `lstrip_blocks`,
-`messages`, `bos_token`, `eos_token`, `add_generation_prompt` and `raise_exception`.
+text is the tokenizer's chat template (`chat_template.jinja` or `tokenizer_config.json`'s
+`chat_template` beside it, or one given) rendered as transformers renders it: Jinja2 in a
+sandbox, `trim_blocks` / `lstrip_blocks`, `messages`, `bos_token`, `eos_token`,
+`add_generation_prompt` and `raise_exception`.
 
 Which tokens are the assistant's is read from the template itself, for any template: the text
 of assistant message i is what rendering messages[:i + 1] adds to rendering messages[:i] with
@@ -39,10 +40,17 @@ from nanotron_train.data.errors import DataError
 Messages = list[dict[str, str]]
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.50 saves a template
+
+
 def chat_template_of(tokenizer_file: str) -> str | None:
-    """The `chat_template` of the tokenizer_config.json beside `tokenizer_file` (a string, or the
-    one named "default" of a list of {name, template}); None when there is none."""
-    config = Path(tokenizer_file).parent / "tokenizer_config.json"
+    """The chat template beside `tokenizer_file`, as transformers reads it: chat_template.jinja
+    when present, else tokenizer_config.json's `chat_template` (a string, or the one named
+    "default" of a list of {name, template}); None when there is none."""
+    folder = Path(tokenizer_file).parent
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
     if not config.is_file():
         return None
     template = json.loads(config.read_text()).get("chat_template")

@@ -110,8 +110,11 @@ def build_mix(mix: dict[str, float], split: str, column: str, folder: Path) -> N
     shutil.rmtree(tmp, ignore_errors=True)
     mixed.save_to_disk(str(tmp / "data"))
     (tmp / MIX_MARKER).write_text(json.dumps({"mix": mix, "split": split, "rows": len(mixed)}))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    if folder.exists():  # dataset_overwrite_cache: the old mix moved aside only now
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def mixed_dataset(

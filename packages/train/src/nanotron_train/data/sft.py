@@ -7,9 +7,10 @@ Nanotron's `{"prompt": ..., "completion": ...}` (the text prompt + completion + 
 Nanotron's `process_sft`: no template). The label is kept only where the predicted token is
 the assistant's (the completion's, its EOS included).
 
-Examples are tokenized once at start, in file order (the first `debug_max_samples`), and packed
-into rows of sequence_length (chat.pack: several conversations a row with their document ids
-when the model masks documents, else one a row). Rows are drawn as TrainData draws samples:
+Examples are tokenized in file order (the first `debug_max_samples`) and packed into rows of
+sequence_length (chat.pack: several conversations a row with their document ids when the model
+masks documents, else one a row), once: the rows are cached (sft_cache.py) for later runs and
+the other ranks. Rows are drawn as TrainData draws samples:
 global batch k is draws [(k-1)*G, k*G) of a seeded shuffle (reshuffled each epoch), dp rank r
 takes its contiguous slice; the position is the step, so resume is exact.
 
@@ -33,6 +34,7 @@ from nanotron_train.data.chat import ChatFormat, _check_messages, chat_template_
 from nanotron_train.data.documents import DOCUMENT_IDS_KEY
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.sampler import ShuffledSamples
+from nanotron_train.data.sft_cache import SFTCache, cached_rows, sft_cache_key
 from nanotron_train.data.stages import DatasetSpec
 from nanotron_train.data.tokenizer import load_tokenizer
 
@@ -113,19 +115,11 @@ def tokenize_examples(
     return out
 
 
-def packed_rows(
-    spec: DatasetSpec,
-    where: str,
-    sequence_length: int,
-    tokenizer_path: str | None,
-    model_vocab_size: int,
+def _build_rows(
+    spec: DatasetSpec, where: str, sequence_length: int, tokenizer: Any, template: str | None,
     document_masking: bool,
-) -> dict[str, np.ndarray]:
-    """The examples of `spec`, tokenized and packed into rows (chat.pack's arrays)."""
-    if not tokenizer_path:
-        raise DataError(f"{where}: SFT data needs tokenizer.tokenizer_name_or_path")
-    tokenizer = load_tokenizer(tokenizer_path)
-    template = spec.chat_template or chat_template_of(tokenizer.path)
+) -> tuple[dict[str, np.ndarray], int]:  # fmt: skip
+    """The examples of `spec` tokenized and packed (chat.pack's arrays), and their number."""
     examples = read_examples(str(spec.hf_dataset_or_datasets), spec.debug_max_samples)
     if not examples:
         raise DataError(f"{where}: no examples")
@@ -133,15 +127,47 @@ def packed_rows(
     rows = pack(tokenized, sequence_length, tokenizer.eos_token_id, per_row=not document_masking)
     if not document_masking:
         del rows[DOCUMENT_IDS_KEY]  # the model would not read them
+    return rows, len(examples)
+
+
+def packed_rows(
+    spec: DatasetSpec,
+    where: str,
+    sequence_length: int,
+    tokenizer_path: str | None,
+    model_vocab_size: int,
+    document_masking: bool,
+    cache: SFTCache | None = None,
+) -> dict[str, np.ndarray]:
+    """The examples of `spec`, tokenized and packed into rows (chat.pack's arrays): read from
+    `cache` (sft_cache.py) when it holds them, else built (and cached)."""
+    if not tokenizer_path:
+        raise DataError(f"{where}: SFT data needs tokenizer.tokenizer_name_or_path")
+    tokenizer = load_tokenizer(tokenizer_path)
+    template = spec.chat_template or chat_template_of(tokenizer.path)
+
+    def build() -> tuple[dict[str, np.ndarray], int]:
+        return _build_rows(spec, where, sequence_length, tokenizer, template, document_masking)
+
+    if cache is None:
+        rows, examples = build()
+        source = "tokenized"
+    else:
+        files = example_files(str(spec.hf_dataset_or_datasets))
+        key = sft_cache_key(files, tokenizer.sha256, template, spec.debug_max_samples,
+                            sequence_length, document_masking)  # fmt: skip
+        rows, meta, built = cached_rows(cache, key, build)
+        examples = meta["examples"]
+        source = f"{'tokenized into' if built else 'read from'} {cache.cache_dir}/sft-{key}"
     top = int(rows["input_ids"].max(initial=0))
     if top >= model_vocab_size:
         raise DataError(
             f"{where}: token id {top} is outside the model's vocab_size {model_vocab_size}"
         )
     logger.info(
-        "data: %s: %d examples in %d rows of %d tokens, %d labelled",
-        where, len(examples), len(rows["input_ids"]), sequence_length,
-        int(rows["label_mask"].sum()),
+        "data: %s: %d examples in %d rows of %d tokens, %d labelled (%s)",
+        where, examples, len(rows["input_ids"]), sequence_length,
+        int(rows["label_mask"].sum()), source,
     )  # fmt: skip
     return rows
 
@@ -163,10 +189,11 @@ class SFTData:
         tokenizer_path: str | None,
         model_vocab_size: int,
         document_masking: bool,
+        cache: SFTCache | None = None,
     ) -> None:
         where = f"data stage {name!r}: {spec.hf_dataset_or_datasets}"
         self.rows = packed_rows(
-            spec, where, sequence_length, tokenizer_path, model_vocab_size, document_masking
+            spec, where, sequence_length, tokenizer_path, model_vocab_size, document_masking, cache
         )
         self.labels_per_row = self.rows["label_mask"].sum(axis=1)
         n = len(self.labels_per_row)

@@ -164,6 +164,23 @@ def _sft(stage: DatasetStageArgs, shape: _Shape, pc) -> Any:
         tokenizer_path=tokenizer_path(shape.tokenizer),
         model_vocab_size=shape.vocab_size,
         document_masking=shape.document_masking,
+        cache=_sft_cache(stage.data.dataset, pc),
+    )
+
+
+def _cache_dir() -> str:
+    return os.environ.get("NANOTRON_DATA_CACHE", ".cache/data")
+
+
+def _sft_cache(spec, pc) -> Any:
+    """Where SFT rows are cached; global rank 0 builds them, the others wait (sft_cache.py)."""
+    from nanotron_train.data.sft_cache import SFTCache
+
+    return SFTCache(
+        _cache_dir(),
+        is_builder=pc.rank == 0,
+        barrier=BuilderBarrier(pc.rank == 0, _barrier_store(pc)),
+        overwrite=spec.dataset_overwrite_cache,
     )
 
 
@@ -210,7 +227,7 @@ def _real(stages: list[DatasetStageArgs], shape: _Shape, pc, first: bool = False
         dp_rank=pc.dp_rank,
         dp_size=pc.dp_size,
         tokenizer_path=tokenizer_path(shape.tokenizer),
-        cache_dir=os.environ.get("NANOTRON_DATA_CACHE", ".cache/data"),
+        cache_dir=_cache_dir(),
         model_vocab_size=shape.vocab_size,
         validation_split=shape.validation_split,
         barrier=BuilderBarrier(pc.rank == 0, _barrier_store(pc)),
@@ -324,7 +341,7 @@ def _sft_validation(cfg: Config, pc) -> Any:
     spec, tok, mc = cfg.validation.dataset, cfg.tokens, cfg.model.model_config
     where = f"validation.dataset: {spec.hf_dataset_or_datasets}"
     rows = packed_rows(spec, where, tok.sequence_length, tokenizer_path(cfg.tokenizer),
-                       mc.vocab_size, mc.document_masking)  # fmt: skip
+                       mc.vocab_size, mc.document_masking, _sft_cache(spec, pc))  # fmt: skip
     return SFTValidationData(
         rows,
         micro_batch_size=tok.micro_batch_size,

@@ -100,17 +100,19 @@ def _raw_dataset_tokens(ds, tokenizer_path, cache_dir, barrier, builder) -> Path
     """The token folder of a raw dataset: a local input, or Nanotron's mixer mapping
     {input: fraction} whose rows are mixed first (mixer.py)."""
     inputs, splits = ds.hf_dataset_or_datasets, ds.hf_dataset_splits or ["train"]
+    identity = None
     if isinstance(inputs, dict | list):
         inputs = mixed_dataset(
             inputs, splits=splits, text_column=ds.text_column_name, cache_dir=cache_dir,
             is_builder=builder, barrier=barrier, overwrite=ds.dataset_overwrite_cache,
         )  # fmt: skip
-        inputs, splits = str(inputs), None  # one saved dataset, no splits
+        # the tokens keyed by the mix's key (its folder), not by its files' times
+        inputs, splits, identity = str(inputs), None, inputs.parent.name
     return cached_nanoset(
         inputs, tokenizer_path=tokenizer_path, cache_dir=cache_dir,
         text_column=ds.text_column_name, is_builder=builder, barrier=barrier,
         num_workers=ds.dataset_processing_num_proc_per_process, splits=splits,
-        overwrite=ds.dataset_overwrite_cache,
+        overwrite=ds.dataset_overwrite_cache, identity=identity,
     )  # fmt: skip
 
 
