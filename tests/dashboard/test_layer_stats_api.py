@@ -84,3 +84,66 @@ def test_long_runs_are_downsampled_to_evenly_spaced_steps(c):
 def test_malformed_layer_stats_are_refused_with_a_reason(c, change, says):
     r = c.post("/api/ingest", content=json.dumps({**layer_stats("ls-bad", 1), **change}))
     assert r.status_code == 422 and says in r.text, r.text
+
+
+# The layers that moved first (layer_departures.py). grad_norm per step; row -> values at
+# steps 10..80. Step 10 is outside the window read (poison), 80 after the alert at 75.
+MOVED = {
+    "embedding.weight": [1000.0, 1.0, 1.1, 0.9, 1.0, 1.05, 1.5, 1.0],
+    "decoder.0.attn.qkv.weight": [2.0, 2.0, 2.0, 2.0, 2.0, 2.1, 2.0, 2.0],
+    "decoder.0": [3.0, 3.0, 3.3, 2.7, 3.0, 3.1, "nan", 3.0],
+    "final_norm": [1.0, 1.0, 1.0, 1.0, 1.0, 1.001, 1.02, 1.0],
+    "decoder.1": [None, None, None, None, None, 5.0, 5.0, 5.0],  # no baseline
+}
+
+
+def test_layers_that_moved_first_ranked_by_departure_from_their_baseline(c):
+    post(c, {"type": "run_start", "run_id": "lm"})
+    for j, step in enumerate(range(10, 90, 10)):
+        rows = [r for r, v in MOVED.items() if v[j] is not None]
+        grad = [MOVED[r][j] for r in rows]
+        post(c, {"type": "layer_stats", "run_id": "lm", "step": step, "rows": rows,
+                 "stats": {"grad_norm": grad, "weight_norm": [1.0] * len(rows)}})  # fmt: skip
+    q = "/api/runs/lm/layer_stats/moved_first?step=75&lead=2&baseline=4"
+    m = c.get(q).json()
+    assert m["stat"] == "grad_norm" and m["threshold"] == 3.0
+    assert m["baseline_steps"] == [20, 30, 40, 50] and m["lead_steps"] == [60, 70]
+    assert (m["from_step"], m["to_step"]) == (20, 80)  # the heatmap's window around step 75
+    got = {r["row"]: r for r in m["ranked"]}
+    order = ["decoder.0.attn.qkv.weight", "decoder.0", "embedding.weight", "final_norm"]
+    assert [r["row"] for r in m["ranked"]] == [*order, "decoder.1"]
+    # median 2, MAD 0: the spread is its floor, 1% of 2; 2.1 at step 60 is 5 spreads away
+    qkv = got["decoder.0.attn.qkv.weight"]
+    assert (qkv["first_step"], qkv["value"], qkv["median"]) == (60, 2.1, 2.0)
+    assert qkv["departure"] == pytest.approx(5.0)
+    # median 1.0, MAD 0.05 -> spread 1.4826 * 0.05; 1.5 at step 70 (1000 at step 10 unread)
+    emb = got["embedding.weight"]
+    assert (emb["first_step"], emb["value"], emb["median"]) == (70, 1.5, 1.0)
+    assert emb["departure"] == pytest.approx(0.5 / (1.4826 * 0.05))
+    dec = got["decoder.0"]  # NaN at step 70: an infinite departure, ranked before 6.7
+    assert (dec["first_step"], dec["departure"], dec["value"]) == (70, "Infinity", "NaN")
+    fin = got["final_norm"]  # 2 spreads at most: not departed, ranked by its largest
+    assert fin["first_step"] is None and fin["departure"] == pytest.approx(2.0)
+    assert got["decoder.1"] == {"row": "decoder.1", "first_step": None, "departure": None,
+                                "value": None, "median": None}  # fmt: skip
+    # a looser threshold: final_norm departs at step 70 too, after decoder.0 (larger)
+    loose = c.get(q + "&threshold=1.5").json()["ranked"]
+    assert [r["row"] for r in loose][:4] == ["decoder.0.attn.qkv.weight", "decoder.0",
+                                             "embedding.weight", "final_norm"]  # fmt: skip
+    assert loose[3]["first_step"] == 70
+    w = c.get("/api/runs/lm/layer_stats/moved_first?step=75&stat=weight_norm").json()
+    assert w["stat"] == "weight_norm" and w["lead_steps"] == [50, 60, 70]  # defaults 3 and 8
+    assert w["baseline_steps"] == [10, 20, 30, 40] and w["ranked"][0]["first_step"] is None
+    early = c.get("/api/runs/lm/layer_stats/moved_first?step=5").json()
+    assert early["ranked"] == [] and early["lead_steps"] == [] and early["from_step"] is None
+
+
+def test_moved_first_inputs_are_bounded(c):
+    post(c, {"type": "run_start", "run_id": "lm-bad"})
+    bad = ["step=-1", "step=75&lead=0", "step=75&lead=17", "step=75&baseline=1",
+           "step=75&baseline=65", "step=75&threshold=0", "step=75&threshold=inf",
+           "step=75&threshold=nan", "step=75&stat=bad!", ""]  # fmt: skip
+    for query in bad:
+        r = c.get(f"/api/runs/lm-bad/layer_stats/moved_first?{query}")
+        assert r.status_code == 422, query
+    assert c.get("/api/runs/nope/layer_stats/moved_first?step=1").status_code == 404

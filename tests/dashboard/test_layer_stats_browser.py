@@ -62,3 +62,66 @@ def test_layer_heatmap(browser, live_dashboard):
     assert page.evaluate("() => window.__nt.layers.ticks") == ["1e0", "1e1"]
     assert errors == []
     page.close()
+
+
+ALERT_RUN = "layer-alert"
+ALERT_ROWS = ["embedding.weight", "decoder.0.attn.qkv.weight", "decoder.0.mlp.down.weight",
+              "decoder.1.attn.qkv.weight", "decoder.1.mlp.down.weight", "final_norm.weight"]  # fmt: skip
+
+
+def alert_message(step):
+    """Gradient norms that wiggle by 2% around each row's level until decoder.1's MLP leaves
+    it at step 190 (x1.3), decoder.0's attention at step 200 (x2), every row at 210 (x10)."""
+    wiggle = (0.98, 1.0, 1.02)[step // 10 % 3]
+    grad = [(i + 1) * wiggle for i in range(len(ALERT_ROWS))]
+    if step >= 190:
+        grad[4] *= 1.3
+    if step >= 200:
+        grad[1] *= 2.0
+    if step >= 210:
+        grad = [10 * g for g in grad]
+    return {"type": "layer_stats", "run_id": ALERT_RUN, "step": step, "rows": ALERT_ROWS,
+            "stats": {"grad_norm": grad}}  # fmt: skip
+
+
+def test_an_alert_opens_the_layers_that_moved_first(browser, live_dashboard):
+    d = live_dashboard
+    d.post("/api/ingest", {"type": "run_start", "run_id": ALERT_RUN, "name": "alert"})
+    d.post("/api/ingest", [alert_message(s) for s in range(10, 310, 10)])
+    d.post("/api/ingest", [
+        {"type": "event", "run_id": ALERT_RUN, "step": 205, "kind": "loss_spike",
+         "message": "loss 9.1 is 4.2 x the median of the last 50 steps"},
+        {"type": "event", "run_id": ALERT_RUN, "step": 100, "kind": "throughput_drop",
+         "severity": "info", "message": "tokens/s down 30%"},
+    ])  # fmt: skip
+    page = browser.new_page(viewport={"width": 1200, "height": 1000})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("response", lambda r: errors.append(r.url) if r.status >= 400 else None)
+    page.goto(d.url + f"/runs/{ALERT_RUN}")
+    page.wait_for_function("() => window.__nt.layers && window.__nt.layers.steps.length === 30")
+    button = page.locator("#events .moved-first")
+    button.wait_for()
+    assert button.count() == 1  # the spike has one; the throughput drop is no alert
+    button.click()
+    page.wait_for_function("() => window.__nt.layers.focus !== null")
+    geo = page.evaluate("() => window.__nt.layers")
+    # the lead (180, 190, 200) against the 8 detail steps before: the window 100 .. 300
+    assert geo["steps"] == list(range(100, 310, 10)) and geo["focus"]["step"] == 205
+    first = ["decoder.1.mlp.down.weight", "decoder.0.attn.qkv.weight"]
+    assert geo["order"][:2] == first and sorted(geo["order"]) == sorted(ALERT_ROWS)
+    items = page.locator("#layer-moved li").all_inner_texts()
+    assert [t.split(":")[0] for t in items] == first
+    assert items[0].startswith("decoder.1.mlp.down.weight: step 190,")
+    assert items[1].startswith("decoder.0.attn.qkv.weight: step 200,")
+    assert "before the loss spike at step 205" in page.locator("#layer-focus-text").inner_text()
+    column = geo["focus"]["column"]
+    assert geo["steps"][column] == 200  # the line after the newest detail step before 205
+    x = round(geo["left"] + (column + 1) * geo["cellW"]) * geo["dpr"]  # a 2-pixel black line
+    y = (geo["top"] + 0.5 * geo["cellH"]) * geo["dpr"]
+    assert page.evaluate(PIXEL, ["layer-heatmap", int(x) - 1, int(y)]) == [0, 0, 0]
+    page.click("#layer-unfocus")
+    page.wait_for_function("() => window.__nt.layers.focus === null")
+    assert page.evaluate("() => window.__nt.layers.steps.length") == 30
+    assert page.locator("#layer-focus").is_hidden() and errors == []
+    page.close()

@@ -4,6 +4,8 @@
 // the model's order, detail steps across. Colour: log10 of the value on a scale whose ends are
 // the whole decades around the view's values (labelled), blue low, red high; grey: no value;
 // purple: NaN or infinite. Drawn on a plain canvas; trainer text only through textContent/fillText.
+// From an alert (layer_focus.js): the detail steps around its step, the rows ranked by how early
+// they departed from their baseline, a black line after the alert's column.
 "use strict";
 const NTL = (() => {
   const $ = (id) => document.getElementById(id);
@@ -13,7 +15,7 @@ const NTL = (() => {
     update_ratio: "update / weight ratio", act_rms: "activation RMS (block output)",
     attn_max_logit: "attention max logit (q·k/√d)", router_entropy: "router entropy (nats)" };
   let ctx = null;  // {runId, state, api}
-  const view = { h: null, geo: null };
+  const view = { h: null, geo: null, alert: null, moved: null };
 
   const finite = (v) => typeof v === "number" && Number.isFinite(v);
   const label = (s) => LABELS[s] || s;
@@ -23,13 +25,33 @@ const NTL = (() => {
     const width = Math.max($("layer-section").parentElement.clientWidth - 260, 100);
     const q = new URLSearchParams({ max_steps: Math.min(400, Math.floor(width / 3)) });
     if (sel.value !== "") q.set("stat", sel.value);
+    let moved = null;
+    if (view.alert) {  // the window around the alert and the server's ranking of the rows
+      const m = new URLSearchParams({ step: view.alert.step });
+      if (sel.value !== "") m.set("stat", sel.value);
+      moved = await ctx.api("/layer_stats/moved_first?" + m);
+      if (moved.from_step !== null) { q.set("from_step", moved.from_step); q.set("to_step", moved.to_step); }
+    }
     const h = await ctx.api("/layer_stats?" + q);
     $("layer-section").hidden = !h.stats.length;
     if (!h.stats.length) return;
     sel.replaceChildren(...h.stats.map((s) => NT.el("option", { value: s }, label(s))));
     sel.value = h.stat;
-    view.h = h;
+    view.moved = moved;
+    view.h = moved ? NTLF.reorder(h, moved) : h;
+    NTLF.show(moved, view.alert, label(h.stat));
     draw();
+    linkAlerts();
+  }
+
+  // An alert's button: the heatmap around its step, ranked (null: back to every step).
+  function focus(alert) {
+    view.alert = alert;
+    return load().then(() => { if (alert) $("layer-section").scrollIntoView(); });
+  }
+
+  function linkAlerts() {
+    if (ctx && view.h && view.h.stats.length) NTLF.linkAlerts(ctx.state.events, (e) => focus(e).catch(fail));
   }
 
   function decades(h) {  // [lo, hi]: whole decades around the positive finite values
@@ -78,6 +100,12 @@ const NTL = (() => {
         g.fillRect(left + j * cellW, top + i * cellH, Math.ceil(cellW), cellH);
       }
     });
+    let focus = null;
+    if (view.moved) {  // the alert: a line after the newest detail step at or before it
+      const j = NTLF.markerColumn(h.steps, view.moved.step), x = Math.round(left + (j + 1) * cellW);
+      g.fillStyle = "#000"; g.fillRect(x - 1, top, 2, R * cellH);
+      focus = { step: view.moved.step, column: j, ranked: view.moved.ranked.map((r) => r.row) };
+    }
     g.fillStyle = "#1d2330"; g.textBaseline = "top";
     const tickEvery = Math.max(1, Math.ceil(h.steps.length / Math.max(Math.floor(plotW / 60), 1)));
     for (let j = 0; j < h.steps.length; j += tickEvery) g.fillText(String(h.steps[j]), left + j * cellW, top + R * cellH + 6);
@@ -85,7 +113,8 @@ const NTL = (() => {
     $("layer-legend").textContent = label(h.stat) + ": colour = log10 of the value, 1e" + lo + " (blue) to 1e" + hi +
       " (red); grey: no value, purple: NaN or infinite · rows: " + h.rows.length + " layers · columns: " +
       h.steps.length + " of " + h.total + " detail steps" + (h.rows.length > MAX_ROWS ? " · first " + MAX_ROWS + " rows" : "");
-    view.geo = { left, top, cellW, cellH, dpr, steps: h.steps, stat: h.stat, rows: R, cells: R * h.steps.length, ticks };
+    view.geo = { left, top, cellW, cellH, dpr, steps: h.steps, stat: h.stat, rows: R, cells: R * h.steps.length, ticks,
+      order: h.rows.slice(0, R), focus };
     ctx.state.layers = view.geo;
   }
 
@@ -101,13 +130,16 @@ const NTL = (() => {
       (v === null || v === undefined ? "no value" : finite(v) ? NT.num(v, 4) : String(v));
   }
 
+  const fail = (e) => { $("error").textContent = String(e.message || e); };
+
   function init(c) {
     ctx = c;
-    $("layer-stat").addEventListener("change", () => load().catch((e) => { $("error").textContent = String(e.message || e); }));
+    $("layer-stat").addEventListener("change", () => load().catch(fail));
+    $("layer-unfocus").addEventListener("click", () => focus(null).catch(fail));
     $("layer-heatmap").addEventListener("mousemove", tip);
     window.addEventListener("resize", NT.throttle(draw, 200));
   }
 
-  const safe = () => load().catch((e) => { $("error").textContent = String(e.message || e); });
-  return { init, load, onLive: { layer_stats: NT.throttle(safe, 1000) } };
+  const safe = () => load().catch(fail);
+  return { init, load, linkAlerts, onLive: { layer_stats: NT.throttle(safe, 1000) } };
 })();

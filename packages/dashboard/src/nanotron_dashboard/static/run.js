@@ -381,7 +381,7 @@
   (async () => {
     state.session = await NT.session();
     const api = (path) => NT.json("/api/runs/" + encodeURIComponent(runId) + path);
-    NTT.init({ runId, state, api, onEvents: () => Object.values(state.charts).forEach((e) => e.plot.redraw()) });
+    NTT.init({ runId, state, api, onEvents: () => { Object.values(state.charts).forEach((e) => e.plot.redraw()); NTL.linkAlerts(); } });
     NTM.init({ runId, state, api });
     NTL.init({ runId, state, api });
     $("delete").addEventListener("click", deleteRun);
