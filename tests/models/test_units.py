@@ -41,6 +41,26 @@ def test_rope_frequencies_equal_hf(scaling):
     assert torch.equal(our_cos, cos[0]) and torch.equal(our_sin, sin[0])
 
 
+def test_rope_range_is_the_gathered_rows_made_once():
+    """Batches without position ids rotate by slices of the table: bitwise the rows a gather
+    of those positions gives, the same views for every layer of a step (no position tensor
+    nor gather per layer), remade for another range or a grown table."""
+    table, cpu = RotaryTable(16, 10000.0), torch.device("cpu")
+    for offset, length in ((0, 12), (5, 3), (0, 40)):  # decoding offsets; the table grows
+        cos, sin = table.cos_sin_range(offset, length, cpu, torch.float32)
+        want = table.cos_sin(torch.arange(offset, offset + length), cpu, torch.float32)
+        assert cos.shape == (length, 1, 1, 16)
+        assert torch.equal(cos[:, 0, 0], want[0]) and torch.equal(sin[:, 0, 0], want[1])
+        again = table.cos_sin_range(offset, length, cpu, torch.float32)
+        assert again[0] is cos and again[1] is sin
+    with torch.profiler.profile() as prof:
+        table.cos_sin_range(0, 7, cpu, torch.float32)  # a new range: slices, no gather
+        table.cos_sin_range(0, 7, cpu, torch.float32)  # the same again: no op
+    names = [e.name for e in prof.events() if e.cpu_parent is None]
+    assert "aten::index" not in names and "aten::arange" not in names, names
+    assert names.count("aten::slice") == 2, names
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_num_parameters_equals_hf(tie):
     config = tiny_config(tie)

@@ -219,10 +219,8 @@ class Attention(nn.Module):
     def cos_sin(self, s: int, x, position_ids, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin broadcasting over [s, b, heads, rotary dims] for this forward's tokens."""
         offset = kv_cache.offset if kv_cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(offset, offset + s, device=x.device)
-            cos, sin = self.rotary.cos_sin(position_ids, x.device, x.dtype, offset + s)
-            cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        if position_ids is None:  # positions offset .. offset + s - 1: slices of the table
+            cos, sin = self.rotary.cos_sin_range(offset, s, x.device, x.dtype)
         elif kv_cache is None:  # training, evaluation
             # From the positions themselves, once per micro-batch: no host read of the largest
             cos, sin = self.rotary.cos_sin_of(position_ids, x.dtype)  # [b, s, d]

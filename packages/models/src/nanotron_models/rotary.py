@@ -52,6 +52,7 @@ class RotaryTable:
         self.interpolation = interpolation
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._last: tuple | None = None  # (weak ref to position ids, dtype, (cos, sin))
+        self._last_range: tuple | None = None  # ((offset, length, device, dtype), table, out)
 
     def _table(self, length: int, device: torch.device, dtype: torch.dtype):
         key = (device, dtype)
@@ -80,6 +81,25 @@ class RotaryTable:
             length = int(position_ids.max()) + 1
         cos, sin = self._table(length, device, dtype)
         return cos[position_ids], sin[position_ids]
+
+    def cos_sin_range(
+        self, offset: int, length: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, 1, 1, head_dim] of positions offset .. offset + length - 1, the
+        same for every sequence (batches without position ids): slices of the table, the rows
+        a gather of those positions would copy, with no position tensor and no gather. Kept
+        for the last (offset, length), so the layers and micro-batches of a step share them."""
+        cos, sin = self._table(offset + length, device, dtype)
+        key = (offset, length, device, dtype)
+        compiling = torch.compiler.is_compiling()  # compiled code: plain slices, no cache
+        last = None if compiling else self._last_range
+        if last is not None and last[0] == key and last[1] is cos:
+            return last[2]
+        end = offset + length
+        out = (cos[offset:end, None, None, :], sin[offset:end, None, None, :])
+        if not compiling:
+            self._last_range = (key, cos, out)
+        return out
 
     def cos_sin_of(
         self, position_ids: torch.Tensor, dtype: torch.dtype
