@@ -52,6 +52,7 @@ def seeded(live_dashboard):
         ],
     )
     d.post("/api/ingest", [td.rank_stats(RUN, s, n=4, slow=3) for s in range(10, 101, 10)])
+    d.post("/api/ingest", {**td.PREDICTION, "run_id": RUN})  # the planner's, once at start
     d.post("/api/ingest", [td.timeline(RUN, 50, pp=2, m=4), td.timeline(RUN, 100, pp=4, m=8)])
     d.post(
         "/api/ingest",
@@ -372,4 +373,31 @@ def test_what_a_user_reads_close_ranks_units_one_point_constants_and_markers(bro
     assert option.startswith("views · started ") and option.endswith(" UTC · step 300 · running"), (
         option
     )
+    page.close()
+
+
+def test_run_page_shows_the_prediction_next_to_the_measurement(browser, seeded):
+    """The planner's prediction beside what rank_stats measured (step 460 ms: the median of
+    steps 20..100), the parts off by more than 20% flagged."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(seeded.url + f"/runs/{RUN}")
+    page.wait_for_function("() => window.__nt.prediction !== undefined")
+    assert page.locator("#prediction-section").is_visible()
+    assert page.evaluate("() => window.__nt.prediction.off") == ["step_ms", "comm_ms"]
+    row = page.locator('#prediction tr[data-part="step_ms"] td')
+    assert row.all_inner_texts() == [
+        "step time", "300 ms", "460 ms", "0.65x", "off by 35% (> 20%)"
+    ]  # fmt: skip
+    mem = page.locator('#prediction tr[data-part="memory_bytes"] td').all_inner_texts()
+    assert mem[:3] == ["peak memory (worst rank)", "3.7 MiB", "3.8 MiB"]
+    assert mem[4] == "within 3%"
+    compute = page.locator('#prediction tr[data-part="compute_ms"]')
+    assert compute.get_attribute("class") == "" and "within 6%" in compute.inner_text()
+    idle = page.locator('#prediction tr[data-part="idle_ms"] td').all_inner_texts()
+    assert idle == ["pipeline idle", "0.00 ms", "0.00 ms", "—", "negligible"]
+    red = page.evaluate(
+        """() => getComputedStyle(document.querySelector(
+               '#prediction tr[data-part="comm_ms"] td')).backgroundColor"""
+    )
+    assert red == "rgb(253, 232, 234)"
     page.close()

@@ -41,6 +41,7 @@ def launch(tmp_path_factory):
     finally:
         ingest.close()
     assert status == 0, run.output()[-4000:]
+    ingest.config = cfg  # the run's config, for the prediction's test
     return ingest, run.output(), records(tmp / "run.jsonl")
 
 
@@ -134,5 +135,23 @@ def test_rank0_records_carry_system_metrics(launch):
 def test_every_message_passes_the_dashboard_validation(launch):
     ingest, _, _ = launch
     kinds = {m["type"] for m in ingest.messages}
-    assert {"rank_stats", "pipeline_timeline", "event", "metrics", "run_end"} <= kinds
+    assert {"rank_stats", "pipeline_timeline", "event", "metrics", "run_end", "prediction"} <= kinds
     assert ingest.refused() == []
+
+
+def test_the_planner_s_prediction_of_the_run_s_layout_is_sent_once(launch):
+    """What the dashboard shows next to the measurement: the planner's prediction for this
+    run's own layout (dp2 x pp2 1f1b) on the device it plans on (here the `cpu` row)."""
+    from nanotron_train.config import load_config
+    from nanotron_train.plan.auto import local_device
+    from nanotron_train.plan.enumerate import predict
+
+    ingest, _, _ = launch
+    (msg,) = ingest.of_type("prediction")
+    assert msg["run_id"] == ingest.of_type("run_start")[0]["run_id"] and msg["step"] == 0
+    p = predict(load_config(ingest.config), local_device(4), 4, 4)
+    assert msg["device"] == "cpu" and msg["memory_bytes"] == p.memory.total
+    assert msg["step_ms"] == pytest.approx(1000 * p.time.total, rel=1e-12)
+    assert msg["idle_ms"] == pytest.approx(1000 * p.time.idle, rel=1e-12) and msg["idle_ms"] > 0
+    parts = msg["compute_ms"] + msg["comm_ms"] + msg["idle_ms"] + msg["optimizer_ms"]
+    assert parts == pytest.approx(msg["step_ms"], rel=1e-12)

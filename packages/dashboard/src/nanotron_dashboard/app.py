@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.engine import Engine
 
-from . import __version__, api, ingest, layer_api, moe_api, telemetry_api
+from . import __version__, api, ingest, layer_api, moe_api, prediction_api, telemetry_api
 from .alerts import StallWatch, WebhookSender
 from .auth import AuthMiddleware, CookieSigner
 from .backend import PgLock, is_url, pg_url, redact
@@ -34,7 +34,10 @@ from .telemetry_store import StallCheck
 from .writer import Writer
 
 # The API and page modules: a new view is a module with its router here, plus its script
-ROUTERS = (ingest.router, api.router, telemetry_api.router, moe_api.router, layer_api.router)
+ROUTERS = (
+    ingest.router, api.router, telemetry_api.router, moe_api.router, layer_api.router,
+    prediction_api.router,
+)  # fmt: skip
 VENDOR = Path(__file__).parent / "static" / "vendor"
 REQUIRED_ASSETS = ("uPlot.iife.min.js", "uPlot.min.css")
 

@@ -21,7 +21,7 @@ from .db_meta import Int64, metadata
 # The tables keyed by run_pk: a deleted run's rows go with it (db.delete_run).
 TELEMETRY_TABLES = (
     "rank_stats", "timelines", "events", "samples", "run_labels", "run_stall", "moe_load",
-    "layer_stats",
+    "layer_stats", "predictions",
 )  # fmt: skip
 
 
@@ -66,6 +66,17 @@ layer_stats = Table(
     Column("n", Integer, nullable=False),  # rows
     Column("rows", Text, nullable=False),  # JSON list of the row names
     Column("vals", Text, nullable=False),  # JSON list, one value (or null, NaN) per row
+    sqlite_with_rowid=False,
+)
+
+# One row per run: the layout planner's prediction for it (prediction_store.py), as the
+# validated message's JSON; a later attempt's replaces it.
+predictions = Table(
+    "predictions",
+    metadata,
+    Column("run_pk", Integer, primary_key=True),
+    Column("time", Float, nullable=False),
+    Column("body", Text, nullable=False),
     sqlite_with_rowid=False,
 )
 

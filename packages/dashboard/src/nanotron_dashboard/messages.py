@@ -33,6 +33,7 @@ from .fields import (  # noqa: F401 - re-exported: other modules import the limi
 )
 from .layer_messages import LayerStats
 from .moe_messages import MoELoad
+from .prediction_messages import Prediction
 from .telemetry_messages import Event, PipelineTimeline, RankStats, Samples
 
 
@@ -118,6 +119,7 @@ AnyMessage = (
     | Samples
     | MoELoad
     | LayerStats
+    | Prediction
 )
 Message = Annotated[AnyMessage, Field(discriminator="type")]
 _adapter: TypeAdapter[Any] = TypeAdapter(Message)

@@ -21,6 +21,8 @@ from .layer_messages import LayerStats
 from .layer_store import store_layer_stats
 from .moe_messages import MoELoad
 from .moe_store import store_moe_load
+from .prediction_messages import Prediction
+from .prediction_store import store_prediction
 from .store import refusal
 from .telemetry_messages import (
     LEGACY_RANK_FIELDS,
@@ -186,6 +188,7 @@ STORE: dict[type, Store] = {
     Samples: store_samples,
     MoELoad: store_moe_load,
     LayerStats: store_layer_stats,
+    Prediction: store_prediction,
 }
 
 

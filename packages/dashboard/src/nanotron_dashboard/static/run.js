@@ -205,8 +205,8 @@
   // Live points: appended to the current run's series (EMA continued exactly as the server's).
   function onPoints(msg) {
     if (msg.type === "run_changed") { loadRun(); return; }
-    const live = NTT.onLive[msg.type] || NTM.onLive[msg.type] || NTL.onLive[msg.type];
-    if (live) { live(); return; }
+    const lives = [NTT, NTM, NTL, NTP].map((m) => m.onLive[msg.type]).filter(Boolean);
+    if (lives.length) { lives.forEach((f) => f()); return; }
     if (msg.type !== "points") return;
     const o = opt();
     const series = state.data[runId] || (state.data[runId] = {});
@@ -384,10 +384,11 @@
     NTT.init({ runId, state, api, onEvents: () => { Object.values(state.charts).forEach((e) => e.plot.redraw()); NTL.linkAlerts(); } });
     NTM.init({ runId, state, api });
     NTL.init({ runId, state, api });
+    NTP.init({ runId, state, api });
     $("delete").addEventListener("click", deleteRun);
     try { await loadRun(); } catch (e) { $("error").textContent = String(e.message || e); return; }
     await reload();
-    Promise.all([NTT.loadAll(), NTM.load(), NTL.load()]).catch((e) => { $("error").textContent = String(e.message || e); });
+    Promise.all([NTT.loadAll(), NTM.load(), NTL.load(), NTP.load()]).catch((e) => { $("error").textContent = String(e.message || e); });
     loadCompareChoices();
     NT.live("/ws/runs/" + encodeURIComponent(runId), onPoints, scheduleReload);
   })();

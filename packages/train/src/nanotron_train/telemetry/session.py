@@ -20,6 +20,7 @@ from nanotron_parallel.pipeline import NO_RECORDER, TimelineRecorder, engine
 from nanotron_train.fault.errors import NonFiniteStop
 from nanotron_train.telemetry import clock, rank_stats, timeline
 from nanotron_train.telemetry.events import EventReporter, ThroughputWatch, record_events
+from nanotron_train.telemetry.prediction import send_prediction
 from nanotron_train.telemetry.stragglers import StragglerDetector, busy_ms
 from nanotron_train.telemetry.system import CpuMeter, Nvml, SystemMetrics
 
@@ -48,6 +49,7 @@ class Telemetry:
         self.last_timeline: dict | None = None
         if watchdog is not None:
             watchdog.on_hang = self.on_hang
+        send_prediction(cfg, pc, logger_of())  # the planner's, once: the dashboard compares
 
     # --- during the step ------------------------------------------------------------------
     @contextlib.contextmanager
