@@ -74,7 +74,6 @@ def test_readme_table_lists_every_nanotron_key_and_each_is_a_field():
 
 # A value that asks for a feature we do not have, per key the keys table (docs/configuration.md) marks "refused".
 REFUSALS = {
-    "lighteval": {"eval_interval": 10},
     "s3_upload": {"upload_s3_path": "s3://bucket/run", "remove_after_upload": True},
     "tokenizer.tokenizer_max_length": 2048,
     "data_stages.data.dataset.hf_dataset_config_name": "en",

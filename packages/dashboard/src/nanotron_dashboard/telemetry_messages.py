@@ -230,6 +230,7 @@ EventKind = Literal[
     "straggler",
     "restart",
     "preemption",
+    "evaluation_failed",  # a downstream evaluation of a checkpoint (the run goes on)
 ]
 EVENT_KINDS = get_args(EventKind)
 Severity = Literal["info", "warning", "critical"]

@@ -13,6 +13,8 @@ one batch = the run's global batch), so `--limit-batches B` measures what
 (eval/harness.py, the model adapter eval/harness_lm.py; needs the `eval` extra): the harness's
 own tasks or task YAMLs over local data files, at tp x pp = the processes (`--pp`, default 1),
 nothing downloaded. With both `--dataset-folder` and `--tasks`, both are measured.
+`--watch CHECKPOINTS` is a run's separate evaluation job: each new checkpoint evaluated
+(eval/watch.py), with the tasks of the flags or of the run's `evaluation` section.
 A user error (a folder tokenized with another tokenizer than the checkpoint's, ids beyond its
 vocabulary, a bad checkpoint, an unknown task) prints one line from rank 0 and exits with
 status 2.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from nanotron_train.inference.model_io import TOKENIZER_HELP
 from nanotron_train.launching.tp_command import run_over_tp
@@ -32,9 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m nanotron_train.evaluate", description=__doc__.split("\n")[0]
     )
-    p.add_argument(
-        "--ckpt-path", required=True, help="a checkpoint step folder or checkpoints root"
-    )
+    p.add_argument("--ckpt-path", help="a checkpoint step folder or checkpoints root")
     p.add_argument("--dataset-folder", action="append", help="a Nanoset folder (repeatable)")
     p.add_argument(
         "--limit-batches", type=int, default=0, help="validation batches to evaluate (0 = all)"
@@ -48,7 +49,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     add_task_args(p)
+    add_watch_args(p)
     return p.parse_args(argv)
+
+
+def add_watch_args(p: argparse.ArgumentParser) -> None:
+    """The separate evaluation job of a run (eval/watch.py)."""
+    w = p.add_argument_group("evaluating each new checkpoint of a run (a separate job)")
+    w.add_argument("--watch", metavar="CHECKPOINTS", help="a run's checkpoints folder to watch")
+    w.add_argument("--poll-s", type=float, default=10.0, help="seconds between looks")
+    w.add_argument(
+        "--idle-timeout-s", type=float, default=0.0,
+        help="stop after this long without a new checkpoint (0: at the run's last step only)",
+    )  # fmt: skip
+    w.add_argument(
+        "--metrics-file", help="the records' JSON lines file (CHECKPOINTS/evaluation_metrics.jsonl)"
+    )
 
 
 def add_task_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +78,7 @@ def add_task_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--limit", type=float, help="examples per task (< 1: a fraction of them)")
     h.add_argument("--batch-size", type=int, default=16, help="requests per forward")
     h.add_argument("--bootstrap-iters", type=int, default=100000, help="for metric stderrs")
-    h.add_argument("--pp", type=int, default=1, help="pipeline stages (the processes are pp x tp)")
+    h.add_argument("--pp", type=int, help="pipeline stages (the processes are pp x tp; default 1)")
     h.add_argument("--output-path", help="write the harness's whole result JSON to this file")
     h.add_argument(
         "--log-samples", action="store_true", help="keep each example's requests and answers"
@@ -217,12 +233,55 @@ def print_report(report: dict) -> None:
         print(f"{where} | task {task} | {shown} (tp={report['tp']}, pp={report['pp']})")
 
 
+def watch_main(args: argparse.Namespace) -> int:
+    """`--watch CHECKPOINTS`: evaluate each new checkpoint of a run (eval/watch.py)."""
+    from pathlib import Path
+
+    from nanotron_train.config.evaluation import EvaluationArgs
+    from nanotron_train.eval.watch import RESULTS_NAME, WatchSinks, settings_from_config, watch
+
+    root = Path(args.watch)
+    flags = None
+    if args.tasks is not None:
+        run = task_run(args)
+        flags = EvaluationArgs(run.tasks, run.include_path, None, run.limit, run.num_fewshot,
+                               run.batch_size, run.bootstrap_iters, "separate", args.pp or 1)  # fmt: skip
+    if not root.is_dir():
+        print(f"error: --watch {root}: no such checkpoints folder", file=sys.stderr)
+        return 2
+    pp = args.pp or (flags.pp if flags else _configured_pp(root, settings_from_config))
+
+    def work(pc) -> dict:
+        sinks = WatchSinks(Path(args.metrics_file or root / RESULTS_NAME)) if pc.rank == 0 else None
+        try:
+            return {"evaluated": watch(root, pc, flags, sinks, args.poll_s, args.idle_timeout_s)}
+        finally:
+            if sinks is not None:
+                sinks.close()
+
+    return run_over_tp(work, pp=pp)[0]
+
+
+def _configured_pp(root, settings_from_config) -> int:
+    """`evaluation.pp` of the newest checkpoint's config (1 before there is one)."""
+    steps = sorted((int(d.name), d) for d in root.iterdir() if d.is_dir() and d.name.isdigit())
+    try:
+        return settings_from_config(steps[-1][1]).pp if steps else 1
+    except ValueError:
+        return 1  # told again, in one line, when its checkpoint is evaluated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.tasks:
+    if args.tasks or args.watch:
         from nanotron_train.eval.harness import offline_by_default
 
         offline_by_default()  # before the harness or `datasets` is imported
+    if args.watch:
+        return watch_main(args)
+    if not args.ckpt_path:
+        print("error: give --ckpt-path CHECKPOINT (or --watch CHECKPOINTS)", file=sys.stderr)
+        return 2
 
     def work(pc) -> dict:
         if args.limit_batches < 0:
@@ -231,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to evaluate: give --dataset-folder DIR and/or --tasks a,b")
         return run(args, pc)
 
-    status, report = run_over_tp(work, pp=args.pp)
+    status, report = run_over_tp(work, pp=args.pp or 1)
     if report is not None:
         if args.json:
             print(json.dumps(report), flush=True)

@@ -37,6 +37,7 @@ from nanotron_train.config.memory_estimate import check_memory
 from nanotron_train.config.schema import Config
 from nanotron_train.data.source import build_data
 from nanotron_train.data.token_weighting import weigh_by_labelled_tokens
+from nanotron_train.eval.during_training import build_checkpoint_evaluator
 from nanotron_train.eval.evaluation import build_evaluator
 from nanotron_train.fault.sanity import SanityCheckError, check_dp_replicas
 from nanotron_train.fault.session import FaultTolerance
@@ -85,6 +86,7 @@ class Trainer:
         data = build_data(cfg, pc)
         self.state = TrainState(model, optimizer, schedule, data)
         self.evaluator = build_evaluator(cfg, pc, model, data)  # None without `validation`
+        self.downstream = build_checkpoint_evaluator(cfg, pc)  # harness tasks on checkpoints
         # Hang watchdog, preemption signals, non-finite policy, loss spikes (fault/).
         self.fault = FaultTolerance(cfg, pc, step=lambda: self.state.step + 1)
         self.trainer_id = self.fault.trainer_id
@@ -361,6 +363,8 @@ class Trainer:
             self.last_saved = int(folder.name)
             if self.logger is not None:
                 self.logger.checkpoint(folder)
+            if self.downstream is not None:  # evaluation.mode: in_process; collective
+                self.downstream.after_save(folder, self.logger, self.telemetry.events)
 
     def _resumed_run_id(self) -> str | None:
         """`--resume auto` continues the run it resumes (a restarted attempt, not a new run)."""

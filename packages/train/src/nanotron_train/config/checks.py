@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from nanotron_models.config import ModelConfigError
 from nanotron_parallel.pipeline import ENGINES
 from nanotron_train.config.context_parallel import CONTEXT_PARALLEL_CHECKS
+from nanotron_train.config.evaluation import EVALUATION_CHECKS
 from nanotron_train.config.fault import FAULT_CHECKS
 from nanotron_train.config.mixer import MIXER_CHECKS
 from nanotron_train.config.moe import MOE_CHECKS
@@ -61,7 +62,6 @@ def _is_s3(path: str | None) -> bool:
 
 _ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps", "torch_adam_is_fused")
 _SECTION_FEATURES = {
-    "lighteval": "LightEval evaluation runs",
     "s3_upload": "uploading checkpoints to S3",
 }
 
@@ -435,7 +435,7 @@ def validate(cfg: Config, source: str, world_size: int | None = None) -> Config:
         run_checks(STAGE_CHECKS, source, cfg, stage, index=i)
     for table in (
         MUON_CHECKS, MOE_CHECKS, CONTEXT_PARALLEL_CHECKS, PERF_CHECKS, FAULT_CHECKS, VALIDATION_CHECKS,
-        TELEMETRY_CHECKS,
+        TELEMETRY_CHECKS, EVALUATION_CHECKS,
     ):  # fmt: skip
         run_checks(table, source, cfg)
     return cfg

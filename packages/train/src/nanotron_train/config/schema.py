@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from nanotron_models.families import config_classes
+from nanotron_train.config.evaluation import EvaluationArgs
 from nanotron_train.config.loader import to_dict
 from nanotron_train.data.stages import DatasetSpec
 
@@ -298,8 +299,11 @@ class Config:
     fault_tolerance: FaultToleranceArgs = field(default_factory=FaultToleranceArgs)
     validation: ValidationArgs | None = None  # held-out evaluation (checks: validation.py)
     metrics_logging: MetricsLoggingArgs | None = None  # per-layer statistics
-    # Nanotron features this project does not have: null, or refused with one line.
+    # downstream evaluation of checkpoints (config/evaluation.py; Nanotron's `lighteval`
+    # section is read as one, its keys that do not map warned about)
+    evaluation: EvaluationArgs | None = None
     lighteval: dict[str, Any] | None = None
+    # Nanotron features this project does not have: null, or refused with one line.
     s3_upload: dict[str, Any] | None = None
 
     @property

@@ -13,6 +13,7 @@ call `prepare_for_training` right after loading the config:
    one of its special tokens trains, with one warning (token_ids.py) handed to `warn`: the
    callers give it to one process only. An unreadable tokenizer is left to the data path,
    which needs it only for real data (a synthetic run may name a tokenizer it never reads).
+4. Nanotron's `lighteval` keys with no meaning here: one warning each (config/evaluation.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def prepare_for_training(
         _settle_dataset(cfg.validation.dataset, "validation.dataset", source)
     if warn is not None:
         _warn_token_ids(cfg, source, warn)
+        from nanotron_train.config.evaluation import evaluation_warnings
+
+        for line in evaluation_warnings(cfg):  # Nanotron's lighteval keys that do not map
+            warn(f"warning: {source}: {line}")
     return cfg
 
 

@@ -157,13 +157,27 @@ class MetricsLogger:
     def log(self, rec: dict[str, Any]) -> None:
         if self.stream is not None:  # None: logging.log_level is above info
             print(format_line(rec, self.train_steps), file=self.stream, flush=True)
+        layers = layer_stats_of(rec)  # a detail step's per-layer statistics (metrics_logging)
+        self._write(rec, layer_scalars(layers) if layers else {})
+        if self._dashboard is not None and layers:  # bounded like telemetry: a heatmap gap
+            self._dashboard.telemetry(layer_stats_message(rec["step"], time.time(), layers))
+
+    def log_scores(self, rec: dict[str, Any], line: str) -> None:
+        """An evaluation's record (step, consumed_tokens, eval/<task>/<metric>: eval/), with
+        its own stdout `line`: to every sink as a step's record goes."""
+        if self.stream is not None:
+            print(line, file=self.stream, flush=True)
+        self._write(rec, {})
+
+    def _write(self, rec: dict[str, Any], extra: dict[str, float]) -> None:
+        """`rec` to the metrics file, and its scalars (+ `extra`) to TensorBoard, W&B and the
+        dashboard."""
         if self._file is not None:
             self._file.write(json.dumps({**rec, "run_id": self.run_id, "attempt": self.attempt}))
             self._file.write("\n")
             self._file.flush()
         scalars = {k: v for k, v in rec.items() if isinstance(v, int | float) and k != "step"}
-        layers = layer_stats_of(rec)  # a detail step's per-layer statistics (metrics_logging)
-        scalars |= layer_scalars(layers) if layers else {}
+        scalars |= extra
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, rec["step"])
@@ -171,8 +185,6 @@ class MetricsLogger:
             self._wandb.log(scalars, step=rec["step"])
         if self._dashboard is not None:
             self._dashboard.metrics(rec["step"], rec)  # moe_load too: the load heatmap
-            if layers:  # bounded like telemetry: a heatmap with a gap, not a growing queue
-                self._dashboard.telemetry(layer_stats_message(rec["step"], time.time(), layers))
 
     def checkpoint(self, info: dict[str, Any] | str | os.PathLike) -> None:
         """Call after each save with the checkpoint folder (or a ready message dict)."""
