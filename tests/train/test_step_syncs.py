@@ -7,7 +7,9 @@ the gradient norm). The gradient norm is one call per view (on the CPU a 2-D vie
 rows at once), no pass clears the gradient buffers (the step's first gradient is written), and
 the linears' weight gradients never pass through autograd (their matmuls accumulate into the
 buffers). The pipeline's p2p payload messages per step equal the schedule's count, and after
-the first step (which agrees the shapes) no header is sent.
+the first step (which agrees the shapes) no header is sent. AdamW's step counters are not read
+back, RoPE without position ids gathers nothing, and one process's step stays under a ceiling
+of aten ops (MAX_OPS_PER_STEP): counts, not timings, so a fixed cost cannot come back quietly.
 
 Expert parallelism is the exception, counted where it is tested (tests/train/test_moe_train.py):
 each dispatcher reads its split sizes on the host once per MoE layer and micro-batch
@@ -143,6 +145,13 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
                     and int(name.rsplit("=", 1)[1]) in buffers
                 ),
                 "loss": rec["lm_loss"],
+                # the step's ops, nested ones included (a per-step or per-parameter regression)
+                "aten_ops": sum(n for name, n in step.items() if name.startswith("aten::")),
+                "counter_reads": sum(
+                    n for name, n in step.items() if name.endswith("(optimizer step counter)")
+                ),
+                # RoPE without position ids: slices of the table, no positions nor gather
+                "rope_gathers": step.get("aten::arange", 0) + step.get("aten::index", 0),
                 # gradients accumulated by autograd, not by the linears' fused matmuls
                 "through_autograd": step.get("torch::autograd::AccumulateGrad", 0),
                 "expected_through_autograd": unfused * 4 // layout["dp"],
@@ -177,14 +186,27 @@ def check(layouts: list[dict], per_rank: list[list[dict]]) -> None:
             if layout["pp"] > 1:
                 assert res["first_headers"] > 0, (layout, res)  # shapes agreed on step 1
             assert 4.0 < res["loss"] < 7.0, res
+            assert res["counter_reads"] == 0, (layout, res)  # AdamW's counters kept on the host
+            if layout.get("cp", 1) == 1:  # (under cp the batches carry positions)
+                assert res["rope_gathers"] == 0, (layout, res)
             if layout["pp"] == 1 and not layout.get("async"):  # (a stage's received
                 # activations are leaves too; the async linears gather their own inputs)
                 assert res["through_autograd"] == res["expected_through_autograd"], (layout, res)
 
 
+# aten ops of one unlogged step of the test model (nested ones included), one process without
+# and with recompute: 7306 and 9770 when written (7681 and 10465 before the RoPE table slices
+# and the optimizer's kept step counters). The ceilings sit ~2% above, so that a new fixed cost
+# per step, layer or parameter fails here; lower them when the count falls.
+MAX_OPS_PER_STEP = (7450, 9970)
+
+
 def test_single_process_step_has_no_host_sync():
     layouts = [{"dp": 1, "tp": 1, "pp": 1}, {"dp": 1, "tp": 1, "pp": 1, "recompute": True}]
-    check(layouts, [count_step_syncs(layouts)])
+    results = count_step_syncs(layouts)
+    check(layouts, [results])
+    for res, ceiling in zip(results, MAX_OPS_PER_STEP, strict=True):
+        assert res["aten_ops"] <= ceiling, (res["aten_ops"], ceiling)
 
 
 def test_two_rank_layouts_step_has_no_host_sync():
