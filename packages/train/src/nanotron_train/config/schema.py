@@ -55,8 +55,9 @@ class ParallelismArgs:
     # A collective or p2p waiting longer than this fails every rank with who did not arrive
     # (fault/watchdog.py); the backend's own timeout is set a little above it as a backstop.
     collective_timeout_s: float = 600.0
-    # Ours: the planner picks the layout (every key above it varies, and the ZeRO stage and
-    # micro-batch size) for the world size, keeping the global batch (plan/auto.py).
+    # Ours: the planner picks dp, tp, pp, pp_engine, tp_mode, recompute_layer, ep and cp (with
+    # the ZeRO stage and micro-batch size) for the world size, keeping the global batch
+    # (plan/auto.py).
     # `parallelism: auto` in the YAML, or the --auto flag, sets it.
     auto: bool = False
 
