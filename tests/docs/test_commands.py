@@ -50,9 +50,10 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     (r"(?<![\w/])\.venv/", f"{ROOT}/.venv/", "the repository's environment"),
 ]
 # Files every page finds in its working directory (made once by the `sandbox` fixture):
-# configs/ (the repository's), corpus/ (text), corpus-py/ (Python files), tok/ (BPE, 8192),
-# nanoset/ and nanoset-valid/ (tokenized with tok), checkpoints/ (configs/tiny-llama-cpu.yaml
-# on nanoset, 2 steps), run.yaml (that config at dp=2 x pp=2, 4 processes), prompts.txt,
+# configs/ and examples/ (the repository's), corpus/ (text), corpus-py/ (Python files), tok/
+# (BPE, 8192), nanoset/ and nanoset-valid/ (tokenized with tok), checkpoints/
+# (configs/tiny-llama-cpu.yaml on nanoset, 2 steps), run.yaml (that config at dp=2 x pp=2, 4
+# processes), prompts.txt,
 # .cache/data/corpus/{tokenizer,nanoset} (the quickstart's data, vocabulary 4096). A folder that
 # a block writes itself (`--out DIR`) is removed from the page's copy before the block runs.
 
@@ -210,6 +211,7 @@ def sandbox(tmp_path_factory) -> Path:
         shutil.copy(Path(textwrap.__file__).parent / name, base / "corpus-py" / name)
     (base / "prompts.txt").write_text("def main(\nimport\n")
     (base / "configs").symlink_to(ROOT / "configs")
+    (base / "examples").symlink_to(ROOT / "examples")  # examples/sft/make_tiny_hf_llama.py
     cfg = yaml.safe_load((ROOT / "configs" / "tiny-llama-cpu.yaml").read_text())
     cfg["parallelism"].update(dp=2, pp=2)
     cfg["model"]["model_config"].update(vocab_size=8192, bos_token_id=0, eos_token_id=0)

@@ -6,8 +6,9 @@
 
 to-hf writes a folder `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)` load: model.safetensors in the checkpoint's dtype,
-config.json (rope, tie, token ids), generation_config.json and the tokenizer files. The token
-ids are the training config's where they are the tokenizer's special tokens (token_ids.py).
+config.json (rope, tie, token ids), generation_config.json and the tokenizer files, with the
+chat template an SFT stage's config gave (chat_template.jinja). The token ids are the training
+config's where they are the tokenizer's special tokens (token_ids.py).
 from-hf writes `<CKPT>/<step>/` (step 0 unless --step) that the trainer resumes from in any
 layout: the weights, a fresh optimizer state, and the training config (--config-file, or one
 derived from the HF config). from-nanotron reads a Nanotron checkpoint saved with any tp/pp
@@ -94,14 +95,31 @@ def to_hf(
         hf_config.save_pretrained(tmp)
         GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
         if tok is not None:
-            _write_tokenizer(tok, tmp, config)
+            _write_tokenizer(tok, tmp, config, _trained_chat_template(ckpt.train_config))
 
     return write_folder_atomically(Path(out), fill, overwrite)
 
 
-def _write_tokenizer(tok, dst: Path, config) -> None:
+def _trained_chat_template(train_config: dict) -> str | None:
+    """The chat template the run's SFT data was rendered with when its config gave one
+    (`dataset.chat_template`, the last SFT stage's); None: the tokenizer's own, if any."""
+    for stage in reversed(train_config.get("data_stages") or []):
+        ds = ((stage if isinstance(stage, dict) else {}).get("data") or {}).get("dataset")
+        if isinstance(ds, dict) and ds.get("sft_dataloader") and ds.get("chat_template"):
+            return str(ds["chat_template"])
+    return None
+
+
+def _write_tokenizer(tok, dst: Path, config, chat_template: str | None = None) -> None:
+    """The tokenizer's files; `chat_template` (the one trained with) as chat_template.jinja,
+    which transformers reads before tokenizer_config.json's, so apply_chat_template renders
+    conversations as the fine-tune saw them."""
+    from nanotron_train.data.chat import CHAT_TEMPLATE_FILE
+
     src = Path(tok.path).parent
     copied = copy_tokenizer_files(src, dst)
+    if chat_template is not None:
+        (dst / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
     if "tokenizer.json" not in copied:
         (dst / "tokenizer.json").write_bytes(Path(tok.path).read_bytes())
     if "tokenizer_config.json" not in copied:  # a bare tokenizer.json: describe it

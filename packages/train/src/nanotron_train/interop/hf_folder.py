@@ -16,7 +16,12 @@ import torch
 
 from nanotron_models.config import DTYPES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",  # transformers >= 4.50 saves a chat template here
+)
 
 
 class HFFolderError(ValueError):
