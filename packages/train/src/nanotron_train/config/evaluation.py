@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from nanotron_train.config.rules import Check
 
-if TYPE_CHECKING:
-    from nanotron_train.config.schema import Config
+Config = Any  # config/schema.py's Config (which imports this module)
 
 
 @dataclass
