@@ -1,10 +1,11 @@
 """Under plain `torchrun --nproc_per_node=8 -m nanotron_train --config-file bad.yaml` a config
-error is printed once, every time, whichever rank stops first (launching/first_report.py):
-an unknown key, a wrong type and an unknown pp_engine, each launched with local rank 0 held back
-(another rank surely exits first and torchrun stops rank 0: where rank 0 alone printed, the
-line was lost every time), and the unknown key also launched as is (any rank may exit first).
-The kinds share one path (the config's load, before any rank starts work), so the plain launch,
-8 processes' start-up, is not repeated for each."""
+error is printed once, every time, whichever rank stops first (launching/first_report.py): an
+unknown key launched with local rank 0 held back (another rank surely exits first and torchrun
+stops rank 0: where rank 0 alone printed, the line was lost every time) and launched as is (any
+rank may exit first). The kinds of error (an unknown key, a wrong type, an unknown pp_engine)
+share one path, the config's load before any rank starts work and then the one report those
+launches exercise, so each kind is checked in this process through the same `main` (one line,
+exit status 2, no traceback) instead of a launch each, 8 processes' start-up."""
 
 from __future__ import annotations
 
@@ -62,9 +63,23 @@ def check_printed_once(tmp_path: Path, make_error, module: str) -> None:
 
 
 @pytest.mark.slow
+def test_config_error_is_printed_once_with_rank_0_held_back(tmp_path):
+    check_printed_once(tmp_path, _unknown_key, "tests.train.staggered_main")
+
+
 @pytest.mark.parametrize("make_error", [_unknown_key, _wrong_type, _unknown_engine])
-def test_config_error_is_printed_once_with_rank_0_held_back(tmp_path, make_error):
-    check_printed_once(tmp_path, make_error, "tests.train.staggered_main")
+def test_each_kind_of_config_error_is_one_line_from_main(tmp_path, capsys, monkeypatch, make_error):
+    from nanotron_train.__main__ import main
+
+    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    data = small_config(tmp_path, parallelism__dp=8)
+    expected = make_error(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["--config-file", str(path)]) == 2  # raised nothing: no traceback
+    err = capsys.readouterr().err
+    assert err.count(f"error: {path}:") == 1 and f"error: {path}: {expected}" in err, err
 
 
 @pytest.mark.slow
