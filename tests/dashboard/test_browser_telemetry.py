@@ -401,3 +401,43 @@ def test_run_page_shows_the_prediction_next_to_the_measurement(browser, seeded):
     )
     assert red == "rgb(253, 232, 234)"
     page.close()
+
+
+def test_downstream_scores_are_charted_against_tokens_and_compared(browser, seeded):
+    """A run's evaluation records (eval/<task>/<metric> with the checkpoint's consumed_tokens,
+    as the trainer's in-process evaluation or `evaluate --watch` sends them) are a chart among
+    the run's others, placed after the losses (before the gradient norm), against tokens, and a compared run's scores are
+    drawn on it."""
+    d = seeded
+    for run, scale in (("scores-a", 1.0), ("scores-b", 0.5)):
+        d.post("/api/ingest", {"type": "run_start", "run_id": run, "name": run})
+        steps = [{"type": "metrics", "run_id": run, "step": s,
+                  "values": {"lm_loss": 5.0 - s / 10, "grad_norm": 1.0 + s % 3,
+                             "consumed_tokens": 1024.0 * s}}
+                 for s in range(1, 21)]  # fmt: skip
+        evals = [{"type": "metrics", "run_id": run, "step": s,
+                  "values": {"consumed_tokens": 1024.0 * s, "eval/dt_mc/acc": scale * s / 40,
+                             "eval/seconds": 2.0 + s / 10}}
+                 for s in (10, 20)]  # fmt: skip
+        d.post("/api/ingest", [*steps, *evals])
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(d.url + "/runs/scores-a")
+    page.wait_for_function("() => window.__nt.charts['eval/dt_mc/acc']")
+    order = page.evaluate(
+        "() => Array.from(document.querySelectorAll('#charts .chart')).map((c) => c.dataset.metric)"
+    )
+    assert order == ["lm_loss", "eval/dt_mc/acc", "eval/seconds", "grad_norm"], order
+    page.select_option("#x-axis", "tokens")
+    page.select_option("#compare", "scores-b")
+    page.wait_for_function(
+        "() => { const u = window.__nt.charts['eval/dt_mc/acc'].plot;"
+        " return u.series.length === 3 && u.data[0][0] === 10240; }"
+    )
+    chart = page.evaluate(
+        """() => { const u = window.__nt.charts['eval/dt_mc/acc'].plot;
+                   return [u.axes[0].label, u.series.map((s) => s.label), u.data]; }"""
+    )
+    assert chart[0] == "tokens"
+    assert chart[1][1] == "scores-a" and chart[1][2].startswith("scores-b (")  # + its start
+    assert chart[2] == [[10240, 20480], [0.25, 0.5], [0.125, 0.25]]
+    page.close()

@@ -158,11 +158,14 @@
     state.data[rid] = res.series;
   }
 
+  // The default order, then the downstream scores (eval/<task>/<metric>) after the held-out
+  // loss, then the rest by name.
+  function orderOf(name) {
+    const i = DEFAULT_ORDER.indexOf(name);
+    return i >= 0 ? i : name.startsWith("eval/") ? DEFAULT_ORDER.indexOf("val_loss") + 0.5 : 99;
+  }
   function byDefaultOrder(names) {
-    return names.slice().sort((a, b) => {
-      const ia = DEFAULT_ORDER.indexOf(a), ib = DEFAULT_ORDER.indexOf(b);
-      return (ia < 0 ? 99 : ia) - (ib < 0 ? 99 : ib) || a.localeCompare(b);
-    });
+    return names.slice().sort((a, b) => orderOf(a) - orderOf(b) || a.localeCompare(b));
   }
 
   function metricNames() {
