@@ -1,8 +1,9 @@
 """The SFT token cache (data/sft_cache.py): a second run reads the packed rows back instead of
 tokenizing (counted: calls of the tokenizing function) and draws identical batches; a change
-of chat template, tokenizer, data, sequence length or packing builds under a new key, the same
-data elsewhere reuses it; `dataset_overwrite_cache` rebuilds in the same folder; one rank
-builds while the others wait, and a builder's failure reaches them."""
+of chat template, tokenizer, data, sequence length, packing or the code that builds the rows
+builds under a new key, the same data elsewhere reuses it; `dataset_overwrite_cache` rebuilds
+in the same folder; one rank builds while the others wait, and a builder's failure reaches
+them."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def test_second_run_reads_the_cache_and_draws_identical_batches(tmp_path, monkey
     _same_batches(first, third)
 
 
-def test_a_change_of_template_tokenizer_or_data_builds_again(tmp_path, builds):
+def test_a_change_of_template_tokenizer_or_data_builds_again(tmp_path, monkeypatch, builds):
+    from nanotron_train.data import sft_cache
     from nanotron_train.data.chat import chat_template_of
     from nanotron_train.data.sft import packed_rows
     from nanotron_train.data.sft_cache import SFTCache
@@ -123,7 +125,10 @@ def test_a_change_of_template_tokenizer_or_data_builds_again(tmp_path, builds):
     rows(seq=96)
     rows(masking=False)
     assert len(builds) == 6
-    assert len(_folders(tmp_path / "cache")) == 6  # the template's, 2 tokenizers', 3 others
+    monkeypatch.setattr(sft_cache, "builders_sha256", lambda: "edited")  # code that builds rows
+    rows()
+    assert len(builds) == 7
+    assert len(_folders(tmp_path / "cache")) == 7  # the template's, 2 tokenizers', 4 others
 
 
 def test_one_rank_builds_while_the_others_wait(tmp_path, builds):

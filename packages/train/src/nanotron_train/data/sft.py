@@ -108,7 +108,8 @@ def tokenize_examples(
             if template is None:
                 raise DataError(
                     f"{where}: conversations need a chat template: set dataset.chat_template or "
-                    f"give one in tokenizer_config.json beside {tokenizer.path}"
+                    f"give one in tokenizer_config.json or chat_template.jinja beside "
+                    f"{tokenizer.path}"
                 )
             chat = ChatFormat(template, tokenizer)
         out.append(chat.tokenize(ex))

@@ -4,8 +4,10 @@ reused by later runs and by every rank (data/sft.py's rows, as cache.py does for
 The key hashes everything the rows depend on: the content (sha256) of each example file in
 read order, the tokenizer.json's sha256, the chat template's text (the config's or the
 tokenizer's; none for prompt/completion rows), `debug_max_samples`, the sequence length,
-whether conversations are packed (document masking) or one a row, and the format version.
-Data copied elsewhere reuses its cache; any change builds under a new key.
+whether conversations are packed (document masking) or one a row, the format version and the
+source of the modules that build the rows (an edit of the rendering or packing code builds
+again, instead of serving rows the code no longer makes). Data copied elsewhere reuses its
+cache; any change builds under a new key.
 
 The builder rank writes the arrays (one .npy each) and ``sft.json`` into a hidden temporary
 folder renamed into place at the end; with `dataset_overwrite_cache` the old folder of the same
@@ -16,6 +18,7 @@ wait on the barrier, as for the token cache, and every rank memory-maps the fini
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +36,16 @@ from nanotron_train.data.tokenizer import file_sha256
 FORMAT_VERSION = 1
 META_FILE = "sft.json"
 Rows = dict[str, np.ndarray]
+# the modules whose code decides the rows: reading, rendering and masking, packing
+BUILDERS = ("sft.py", "chat.py", "documents.py", "sft_cache.py")
+
+
+@functools.cache
+def builders_sha256() -> str:
+    digest = hashlib.sha256()
+    for name in BUILDERS:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,7 @@ def sft_cache_key(
             "debug_max_samples": limit,
             "sequence_length": sequence_length,
             "packed": packed,
+            "code_sha256": builders_sha256(),
         },
         sort_keys=True,
     )
