@@ -188,12 +188,20 @@ def stored_loads(dash, run_id: str) -> dict[int, dict[str, list[int]]]:
     return out
 
 
+PREDICTION = {
+    "step": 0, "device": "cpu", "device_source": "placeholder", "memory_bytes": 123456,
+    "step_ms": 2.5, "compute_ms": 1.5, "comm_ms": 0.5, "idle_ms": 0.0, "optimizer_ms": 0.5,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("with_file", [True, False], ids=["metrics-file", "in-memory"])
 def test_moe_load_is_replayed_after_an_outage(tmp_path, with_file):
     """The dashboard is killed mid-run and restarted while the logging rank's sinks log each
     step's record with its expert loads: every step's loads are stored after it, as the
     scalars are (replayed from the metrics file, or from memory without one), whether their
-    queued message was dropped (the bounded telemetry queue) or lost in flight."""
+    queued message was dropped (the bounded telemetry queue) or lost in flight. The planner's
+    prediction, sent during the outage, is kept until sent (never dropped as the oldest
+    telemetry)."""
     from nanotron_train.reporting.metrics import MetricsLogger, RunInfo
 
     db, port = tmp_path / "runs.db", free_port()
@@ -208,6 +216,7 @@ def test_moe_load_is_replayed_after_an_outage(tmp_path, with_file):
         logger.log({**record(step), "moe_load": loads(step)})
         if step == 20:
             dash.kill()  # SIGKILL: whatever the writer had queued is gone
+            logger.prediction(PREDICTION)
         if step == 50:
             dash = start_dashboard(db, port=port)
         time.sleep(0.005)
@@ -217,6 +226,8 @@ def test_moe_load_is_replayed_after_an_outage(tmp_path, with_file):
         assert wait_for(lambda: dash.get("/api/runs/moe-1")["status"] == "finished")
         assert client.dropped_telemetry > 0  # the outage did drop queued loads
         assert stored_loads(dash, "moe-1") == {step: loads(step) for step in range(1, 81)}
+        predicted = dash.get("/api/runs/moe-1/prediction")["predicted"]
+        assert {k: predicted[k] for k in PREDICTION} == PREDICTION
     finally:
         dash.stop()
 

@@ -166,6 +166,11 @@ class DashboardClient:
             }
         )
 
+    def prediction(self, msg: dict) -> None:
+        """The layout planner's `prediction` of the run (sent once at start): kept until sent,
+        like checkpoints, not dropped as the oldest telemetry while the dashboard is away."""
+        self._control({**msg, "type": "prediction", "run_id": self.run_id})
+
     def samples(self, msg: dict) -> None:
         """A `samples` message (type and run_id are added); kept until sent."""
         self._control({"type": "samples", "run_id": self.run_id, **msg})

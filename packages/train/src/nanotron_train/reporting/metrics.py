@@ -201,6 +201,15 @@ class MetricsLogger:
         if self._dashboard is not None:
             self._dashboard.telemetry(msg)
 
+    @property
+    def streams_to_dashboard(self) -> bool:
+        return self._dashboard is not None
+
+    def prediction(self, msg: dict[str, Any]) -> None:
+        """The layout planner's prediction of the run (telemetry/prediction.py)."""
+        if self._dashboard is not None:
+            self._dashboard.prediction(msg)
+
     def samples(self, msg: dict[str, Any]) -> None:
         if self._dashboard is not None:
             self._dashboard.samples(msg)

@@ -46,7 +46,7 @@ def send_prediction(cfg, pc, logger) -> None:
     cannot predict this config (a model the time model does not cover) costs the run
     nothing but a warning: the prediction is a comparison, not part of training."""
     # without a dashboard client there is no one to compare with: nothing computed
-    if pc.rank != 0 or getattr(logger, "_dashboard", None) is None:
+    if pc.rank != 0 or logger is None or not logger.streams_to_dashboard:
         return
     gpus = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size))
     try:
@@ -54,4 +54,4 @@ def send_prediction(cfg, pc, logger) -> None:
     except Exception as exc:  # noqa: BLE001 - see the docstring
         logging.getLogger(__name__).warning("no layout prediction for the dashboard: %s", exc)
         return
-    logger.telemetry(msg)
+    logger.prediction(msg)
