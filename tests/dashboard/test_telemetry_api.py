@@ -402,6 +402,7 @@ def test_an_older_database_gets_the_new_tables_and_delete_removes_telemetry(tmp_
     con = sqlite3.connect(db)  # as a file written before the telemetry tables
     for t in ("rank_stats", "timelines", "events", "samples", "run_labels", "run_stall"):
         con.execute(f"DROP TABLE {t}")
+    con.execute("DROP TABLE predictions")  # as a file of the release before predictions
     con.commit()
     con.close()
     app = create_app(Settings(db=str(db)))
@@ -412,12 +413,14 @@ def test_an_older_database_gets_the_new_tables_and_delete_removes_telemetry(tmp_
         post(s, td.straggler("old", 2))  # the replay index came back with the table
         post(s, td.samples("old", 2, [("p", "c")]))
         post(s, td.timeline("old", 2))
+        post(s, {**td.PREDICTION, "run_id": "old"})
+        assert s.get("/api/runs/old/prediction").json()["predicted"]["step_ms"] == 300.0
         assert len(s.get("/api/runs/old/events").json()) == 1
         csrf = {"X-CSRF-Token": s.get("/api/session").json()["csrf"]}
         assert s.patch("/api/runs/old", json={"tags": ["x"]}, headers=csrf).status_code == 200
         assert s.delete("/api/runs/old", headers=csrf).status_code == 200
     con = sqlite3.connect(db)
-    for t in ("rank_stats", "timelines", "events", "samples", "run_labels"):
+    for t in ("rank_stats", "timelines", "events", "samples", "run_labels", "predictions"):
         assert con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] == 0, t
     con.close()
 
