@@ -8,7 +8,7 @@ the probabilities it returned (a Qwen2-MoE model); the steps without statistics 
 sync, register no hook and leave no probe set. Layouts, in one launch of 4 processes: tp=2 x
 pp=2 (tied embedding on both ends), dp=2 ZeRO-3 x tp=2 sequence parallel, dp=2 ZeRO-1 x pp=2,
 cp=2 x dp=2 with each context-parallel attention (all-gather, ring) and cp=2 (Ulysses) x tp=2,
-and the MoE model at tp=2 sequence parallel x dp=2 give every statistic of every row
+and the MoE model (under µP) at tp=2 sequence parallel x dp=2 give every statistic of every row
 (parameters, blocks, attention layers, routers) within 1e-5 of one process.
 """
 
@@ -54,6 +54,8 @@ def _config(layout: dict):
         raw["parallelism"]["tp_mode"] = layout.get("mode", "ALL_REDUCE")
         raw["parallelism"]["tp_linear_async_communication"] = False
         raw["tokens"]["batch_accumulation_per_replica"] = 2 // layout["dp"]
+        # under µP (test_mup_moe.py): the update ratios check its per-parameter rates too
+        raw["model"]["parametrization"] = {"name": "mup", "base_hidden_size": 16}
     else:
         raw = layout_config(layout)
         raw["model"]["model_config"]["num_hidden_layers"] = 2  # one per pp stage: cheaper

@@ -54,6 +54,9 @@ class InitSpec:
     fan: tuple[int, int] | None = None
     embedding: bool = False
     readout: bool = False  # the untied lm_head (its vocabulary side does not grow with width)
+    # A MoE router or gate: hidden -> a size that does not grow with width (the experts, one
+    # gate) inside a block: µP's output-layer rule as init and learning rate (parametrization.py)
+    router: bool = False
     # Per section, (n, parts): rows that are n repeats of sub-blocks, each part one logical
     # matrix for Muon (ParamMeta.interleaved), e.g. a head-major fused projection.
     interleaved: tuple[tuple[int, tuple[int, ...]], ...] | None = None
@@ -128,20 +131,26 @@ def moe_init_spec(c, name: str, init_std: float, scaled: float) -> InitSpec:
     """A MoE block's parameters (moe/): the router, the shared expert's gate and the routed
     experts replicated over tp, the experts generated whole over every expert (so any expert
     parallel size starts from the same weights); the shared expert is a tp-sharded MLP, its
-    output projection scaled as the dense one's."""
+    output projection scaled as the dense one's. For µP: each expert's and the shared expert's
+    matrices have their (per expert) fans, as the dense MLP's; the router and the shared
+    expert's gate are `router`s, whose fan-out (experts, 1) does not grow with width."""
     m, h = c.moe_config, c.hidden_size
     moe_inter, shared = m.moe_intermediate_size, m.shared_expert_intermediate_size
     split = LLAMA_TP_PLAN.shard_dim(name)
     if name.endswith("mlp.router.weight"):
-        return InitSpec(name, (m.num_experts, h), init_std, split)
+        fan = (h, m.num_experts)
+        return InitSpec(name, (m.num_experts, h), init_std, split, fan=fan, router=True)
     if name.endswith("mlp.experts.gate_up_proj"):
-        return InitSpec(name, (m.num_experts, h, 2 * moe_inter), init_std, split, experts=True)
+        return InitSpec(name, (m.num_experts, h, 2 * moe_inter), init_std, split, experts=True,
+                        fan=(h, 2 * moe_inter))  # fmt: skip
     if name.endswith("mlp.experts.down_proj"):
-        return InitSpec(name, (m.num_experts, moe_inter, h), scaled, split, experts=True)
+        return InitSpec(name, (m.num_experts, moe_inter, h), scaled, split, experts=True,
+                        fan=(moe_inter, h))  # fmt: skip
     if name.endswith("mlp.shared_expert.gate_up.weight"):
-        return InitSpec(name, (2 * shared, h), init_std, split, (shared, shared))
+        fan = (h, 2 * shared)
+        return InitSpec(name, (2 * shared, h), init_std, split, (shared, shared), fan=fan)
     if name.endswith("mlp.shared_expert.down.weight"):
-        return InitSpec(name, (h, shared), scaled, split)
+        return InitSpec(name, (h, shared), scaled, split, fan=(shared, h))
     if name.endswith("mlp.shared_expert_gate.weight"):
-        return InitSpec(name, (1, h), init_std, split)
+        return InitSpec(name, (1, h), init_std, split, fan=(h, 1), router=True)
     raise KeyError(f"no initialisation rule for parameter {name!r}")

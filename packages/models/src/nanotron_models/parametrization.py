@@ -14,14 +14,25 @@ Learning", parametrization 1), with the full (unsharded) fans whatever tp is:
 - an embedding (the tied lm_head with it): std 1.0, learning rate lr;
 - norms (ones) and biases (zeros): as under sp, learning rate lr (Nanotron has no rule for a
   bias: its fan-in is undefined, and it fails there; ours stay zero);
-- anything else randomly initialised (a MoE router or experts): no rule, an error.
+- a mixture of experts (ours: Nanotron's spectral µP fails on its MoE modules): each expert's
+  matrices and the shared expert's as linear weights with their per-expert fans; the router
+  (fan_out: the experts) and the shared expert's gate (fan_out 1) as linear weights too, which
+  is what the spectral condition asks of any linear map;
+- anything else randomly initialised: no rule, an error.
 
 `mup` (µTransfer, Tensor Programs V, Adam) and `completep` (CompleteP, Dey et al. 2025: µP
 plus depth-µP with exponent alpha), relative to a base model: width_mult m = hidden /
 base_hidden, depth_mult L = layers / base_layers; at the base shape they are sp (but for the
 attention's 1/d, below):
-- hidden linear weights (`fan` set, not the readout): std / sqrt(m), Adam learning rate
-  lr / m (completep: x L^(alpha-1)), Adam eps unchanged (completep: eps / m x L^-alpha);
+- hidden linear weights (`fan` set, not the readout), the MoE experts' and shared expert's
+  among them: std / sqrt(m), Adam learning rate lr / m (completep: x L^(alpha-1)), Adam eps
+  unchanged (completep: eps / m x L^-alpha);
+- a MoE router and the shared expert's gate (`router`: hidden -> a width-independent size,
+  µP's output layer; Tensor Programs V's Table 3 form, init var 1/fan_in^2 and Adam rate
+  1/fan_in, rather than the lm_head's multiplier form, so the MoE block's forward is
+  unchanged): std / m, Adam learning rate lr / m (completep: x L^(alpha-1)), Adam eps
+  unchanged (completep: x L^-alpha: its gradient scales with the branch multiplier, not
+  with 1/m as a hidden matrix's does);
 - the embedding, the lm_head (readout: its vocabulary side does not grow), norms, biases:
   std and learning rate as sp (completep: norms' and biases' rates x L^(alpha-1));
 - in the forward (`multipliers`): the lm_head's input x 1/m (tied or not: the readout
@@ -112,6 +123,9 @@ def _transfer(spec: InitSpec, p: Parametrization) -> Rule:
     """µTransfer (mup) and CompleteP: see the module docstring."""
     m, depth = p.width_mult, p.depth_mult if p.name == "completep" else 1.0
     alpha = p.alpha if p.name == "completep" else 1.0
+    if spec.router:  # µP's output layer inside a block, as init and learning rate
+        eps = depth**-alpha if p.name == "completep" else 1.0
+        return Rule(dataclasses.replace(spec, std=spec.std / m), depth ** (alpha - 1) / m, eps)
     if spec.fan is not None and not spec.readout:  # a hidden matrix
         std = spec.std / math.sqrt(m)
         eps = (1.0 / m) * depth**-alpha if p.name == "completep" else 1.0

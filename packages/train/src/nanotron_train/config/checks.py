@@ -108,25 +108,11 @@ CHECKS: tuple[Check, ...] = (
         ),
     ),
     at_least("model.make_vocab_size_divisible_by", 1),
-    Check(  # nanotron_models/parametrization.py: rules for Llama/Qwen2's dense layers only
-        "model.init_method.use_mup",
-        lambda c: (
-            not c.model.init_method.use_mup
-            or getattr(c.model.model_config, "moe_config", None) is None
-        ),
-        "spectral µP has per-layer rules for dense layers only (as Nanotron's): not with "
-        "model_config.moe_config (the router and the experts)",
-    ),
-    Check(
+    Check(  # nanotron_models/parametrization.py (the state-space families: their builders)
         "model.parametrization.name",
-        lambda c: (
-            c.model.parametrization.name == "sp"
-            or not (
-                c.model.init_method.use_mup or getattr(c.model.model_config, "moe_config", None)
-            )
-        ),
+        lambda c: c.model.parametrization.name == "sp" or not c.model.init_method.use_mup,
         "mup and completep: not with model.init_method.use_mup (Nanotron's spectral µP, another "
-        "parametrization) nor with model_config.moe_config (no rule for the experts yet)",
+        "parametrization)",
     ),
     positive("model.parametrization.base_hidden_size", nullable=True),
     positive("model.parametrization.base_num_layers", nullable=True),
