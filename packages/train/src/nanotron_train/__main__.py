@@ -89,14 +89,14 @@ def _warner(rank: int) -> Callable[[str], None] | None:
 
 
 def _auto_layout(cfg, world_size: int, args: argparse.Namespace, rank: int):
-    """parallelism: auto: the planner's layout; rank 0 prints why (not under
-    nanotron_train.launch, which printed it before starting the workers)."""
+    """parallelism: auto: the planner's layout; rank 0 prints why (unless
+    nanotron_train.launch printed it before starting the workers)."""
     from nanotron_train.config.training_inputs import config_source
-    from nanotron_train.plan.auto import resolve
+    from nanotron_train.plan.auto import SHOWN_ENV, resolve
 
     source = config_source(args.config_file, overrides_of(args))
     cfg, block = resolve(cfg, world_size, source=source)
-    if block and rank == 0 and not os.environ.get(QUIET_ENV):
+    if block and rank == 0 and not os.environ.get(SHOWN_ENV):
         print(block, flush=True)
     return cfg
 

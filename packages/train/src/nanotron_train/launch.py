@@ -41,7 +41,7 @@ def _auto_layout(cfg, args: argparse.Namespace, source: str):
     """parallelism: auto: choose and print the layout before starting any worker (each worker
     chooses the same again); nothing fitting is the one-line error. An elastic world size is
     not known here: the workers choose."""
-    from nanotron_train.plan.auto import resolve
+    from nanotron_train.plan.auto import SHOWN_ENV, resolve
 
     world = _world_size(args)
     if world is None:
@@ -50,6 +50,7 @@ def _auto_layout(cfg, args: argparse.Namespace, source: str):
     cfg, block = resolve(cfg, world, per_node, source)
     if block:
         print(block, flush=True)
+        os.environ[SHOWN_ENV] = "1"  # the workers' rank 0 does not print it again
     return cfg
 
 

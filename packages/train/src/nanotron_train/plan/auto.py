@@ -20,6 +20,7 @@ from nanotron_train.plan.devices import DEVICES, GIB, Device
 from nanotron_train.plan.enumerate import Plan, plan
 
 MEMINFO = "/proc/meminfo"
+SHOWN_ENV = "NANOTRON_AUTO_LAYOUT_SHOWN"  # set by nanotron_train.launch once it printed the block
 
 
 def local_device(gpus_per_node: int) -> Device:
