@@ -292,20 +292,50 @@ def test_command_prints_scores_and_refuses_bad_input(setup, single, capsys):
     ]
 
 
-def _layout_job(runs: list[tuple[list[str], list[str]]]) -> None:
-    """On each of 2 ranks: every family's tasks at tp=2, then at pp=2."""
+def _layout_job(runs: list[tuple[list[str], list[str]]], trainings: list[dict]) -> None:
+    """On each of 2 ranks: every family's tasks at tp=2, then at pp=2; then short trainings
+    that evaluate their checkpoints in process (evaluation section) at their layouts."""
+    import io
+
     import torch.distributed as dist
 
+    from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.testing import shared_default_group
+    from nanotron_train.config import config_from_dict
     from nanotron_train.evaluate import main
+    from nanotron_train.trainer import Trainer
 
-    dist.init_process_group("gloo", init_method="env://")
-    for tp2, pp2 in runs:
-        assert main(tp2) == 0
-        assert main([*pp2, "--pp", "2"]) == 0
-    dist.destroy_process_group()
+    with shared_default_group():
+        for tp2, pp2 in runs:
+            assert main(tp2) == 0
+            assert main([*pp2, "--pp", "2"]) == 0
+        for raw in trainings:
+            par = raw["parallelism"]
+            pc = ParallelContext(dp=par["dp"], tp=par["tp"], pp=par["pp"])
+            try:
+                Trainer(config_from_dict(raw, "t.yaml"), pc, stream=io.StringIO()).train()
+            finally:
+                dist.barrier()
+                pc.destroy()
 
 
-def test_tp2_and_pp2_scores_equal_hflm(setup, single):
+def _evaluating_run(setup, layout: dict, name: str) -> dict:
+    """A 2-step run of a tiny Llama (the harness tests' tokenizer) whose checkpoint of step 2
+    is evaluated in process on nt_mc and nt_ppl."""
+    from tests.train.test_checkpoint import tiny_config
+
+    root = setup["root"] / name
+    raw = tiny_config(layout, str(root / "ck"), steps=2)
+    raw["model"]["model_config"].update(vocab_size=VOCAB, max_position_embeddings=64)
+    raw["checkpoints"]["checkpoint_interval"] = 2
+    raw["tokenizer"] = {"tokenizer_name_or_path": str(setup["root"] / "tok")}
+    raw["logging"]["metrics_file"] = str(root / "metrics.jsonl")
+    raw["evaluation"] = {"tasks": ["nt_mc", "nt_ppl"], "include_path": [str(setup["tasks"])],
+                         "bootstrap_iters": 0}  # fmt: skip
+    return raw
+
+
+def test_tp2_and_pp2_scores_equal_hflm_and_training_evaluates_at_its_layout(setup, single, capsys):
     runs, outs = [], []
     for kind, paths in setup["models"].items():
         tp2, pp2 = (setup["root"] / f"{kind}-{layout}.json" for layout in ("tp2", "pp2"))
@@ -313,8 +343,30 @@ def test_tp2_and_pp2_scores_equal_hflm(setup, single):
             (_ours(paths["ckpt"], setup["tasks"], tp2), _ours(paths["ckpt"], setup["tasks"], pp2))
         )
         outs += [(kind, tp2, (2, 1)), (kind, pp2, (1, 2))]
-    run_distributed(_layout_job, 2, runs, timeout=300)
+    layouts = {"train-pp2": {"dp": 1, "tp": 1, "pp": 2}, "train-dp2": {"dp": 2, "tp": 1, "pp": 1}}
+    trainings = [_evaluating_run(setup, lay, name) for name, lay in layouts.items()]
+    run_distributed(_layout_job, 2, runs, trainings, timeout=300)
     for kind, path, layout in outs:
         ours = json.loads(path.read_text())
         assert (ours["nanotron"]["tp"], ours["nanotron"]["pp"]) == layout
         assert_same_scores(ours, single[kind]["hflm"])
+    # In-process evaluation during training, all ranks taking part at the run's layout (pp2:
+    # the pipelined adapter; dp2: both replicas), equals one process's `evaluate --tasks` on
+    # the checkpoint the run saved.
+    from nanotron_train.evaluate import main
+
+    for name in layouts:
+        lines = (setup["root"] / name / "metrics.jsonl").read_text().splitlines()
+        [rec] = [r for r in map(json.loads, lines) if "eval/seconds" in r]
+        capsys.readouterr()
+        ckpt = setup["root"] / name / "ck" / "2"
+        assert main(["--ckpt-path", str(ckpt), "--tasks", "nt_mc,nt_ppl", "--include-path",
+                     str(setup["tasks"]), "--bootstrap-iters", "0", "--json"]) == 0  # fmt: skip
+        tasks = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tasks"]
+        assert rec["step"] == 2
+        assert rec["eval/nt_mc/acc"] == tasks["nt_mc"]["acc,none"]
+        assert rec["eval/nt_mc/acc_norm"] == tasks["nt_mc"]["acc_norm,none"]
+        for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+            assert rec[f"eval/nt_ppl/{metric}"] == pytest.approx(
+                tasks["nt_ppl"][f"{metric},none"], rel=1e-5
+            )
