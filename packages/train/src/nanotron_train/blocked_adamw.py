@@ -25,6 +25,8 @@ read back with one `.item()` per parameter per step.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 # Elements per block: 4 tensors x 256k fp32 = 4 MiB, cache-resident between the passes, and
@@ -70,17 +72,18 @@ def _advance_steps(opt, group_index: int, step_tensors: list[torch.Tensor]) -> l
     torch._foreach_add_(step_tensors, [_constant(1.0)] * len(step_tensors))
     cache = opt.__dict__.setdefault("_nanotron_steps", {})
     hit = cache.get(group_index)
+    versions = [t._version for t in step_tensors]
     if (
         hit is not None
         and len(hit[0]) == len(step_tensors)
-        and all(a is b for a, b in zip(hit[0], step_tensors))
-        and all(t._version == v + 1 for t, v in zip(step_tensors, hit[1]))
+        and all(map(operator.is_, hit[0], step_tensors))  # (C loops: no Python call each)
+        and versions == [v + 1 for v in hit[1]]
         and max(hit[2]) < _EXACT_COUNTS
     ):
         steps = [s + 1.0 for s in hit[2]]
     else:
         steps = [t.item() for t in step_tensors]  # host tensors: no device sync
-    cache[group_index] = (list(step_tensors), [t._version for t in step_tensors], steps)
+    cache[group_index] = (list(step_tensors), versions, steps)
     return steps
 
 
@@ -112,13 +115,13 @@ def _cached_blocks(opt, group_index: int, params, states, block: int) -> list[Bl
     """`_blocks`, made again only when a tensor or the set of stepped parameters changes (the
     key holds the tensors themselves, so no id is reused while it is kept). A non-contiguous
     gradient's flat view is a copy, remade every step: never kept."""
-    if not all(p.grad.is_contiguous() for p in params):
+    if not all([p.grad.is_contiguous() for p in params]):
         return _blocks(params, states, block)
     cache = opt.__dict__.setdefault("_nanotron_blocks", {})
     key = [t for p, st in zip(params, states) for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
     hit = cache.get(group_index)
     same = hit is not None and hit[0] == block and len(hit[1]) == len(key)
-    if same and all(a is b for a, b in zip(hit[1], key)):
+    if same and all(map(operator.is_, hit[1], key)):
         return hit[2]
     made = _blocks(params, states, block)
     cache[group_index] = (block, key, made)

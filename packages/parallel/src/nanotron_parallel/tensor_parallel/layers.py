@@ -214,11 +214,13 @@ class ColumnParallelLinear(_TPLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native, recompute = self.tensor_collectives, self.recompute_allgather
         fuse = self.fuse_grad_accumulation
-        if self.async_communication and self.tp_size > 1:  # overlapped gather
+        if self.tp_size == 1:  # no collective in any mode: no group lookup per call either
+            y = split_linear(x, self.weight, self.bias, fuse)
+        elif self.async_communication:  # overlapped gather
             y = async_column_linear(x, self.weight, self.bias, self.group, native, recompute)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
             y = split_linear(copy_to_tp(x, self.group), self.weight, self.bias, fuse)
-        elif recompute and self.tp_size > 1:  # keep the shard, gather again in the backward
+        elif recompute:  # keep the shard, gather again in the backward
             y = gather_recompute_linear(x, self.weight, self.bias, self.group, native)
         else:
             y = split_linear(
@@ -286,7 +288,9 @@ class RowParallelLinear(_TPLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native, fuse = self.tensor_collectives, self.fuse_grad_accumulation
-        if self.async_communication and self.tp_size > 1:  # backward overlaps its gather
+        if self.tp_size == 1:  # no collective in any mode: no group lookup per call either
+            y = split_linear(x, self.weight, None, fuse)
+        elif self.async_communication:  # backward overlaps its gather
             y = async_row_linear(x, self.weight, self.group, native)
         elif self.mode is TensorParallelLinearMode.ALL_REDUCE:
             y = reduce_from_tp(split_linear(x, self.weight, None, fuse), self.group)
