@@ -21,6 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 GEMMS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
 OPTIMIZER_RANGE = "roofline.optimizer"  # the bench wraps norm, clip and the step in it
 STEP_RANGE = "roofline.step"
+# The frameworks' own ranges around each collective and its wait (a blocking gloo call waits
+# outside any aten op: without these its wait would count as host time)
+COMM_RANGES = ("tp.all_reduce", "tp.all_gather", "tp.reduce_scatter", "dp.reduce_launch",
+               "dp.reduce_wait", "pp.p2p", "ep.", "zero3.gather")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,10 +109,11 @@ def _category(name: str) -> str:
     return "other ops"
 
 
-def _under_optimizer(ev) -> bool:
+def _counted_above(ev) -> bool:
+    """Whether a range above `ev` counts whole: the optimizer's or a collective's."""
     parent = ev.cpu_parent
     while parent is not None:
-        if parent.name == OPTIMIZER_RANGE:
+        if parent.name == OPTIMIZER_RANGE or parent.name.startswith(COMM_RANGES):
             return True
         parent = parent.cpu_parent
     return False
@@ -117,7 +122,8 @@ def _under_optimizer(ev) -> bool:
 def split_profile(events, steps: int, wall_s: float) -> tuple[dict[str, float], Counter]:
     """Seconds per step of each category (the step's thread only), and the ops' counts per
     step. `host` is the step's wall time that no op covers (Python, autograd's engine,
-    the profiler's own cost), outside the optimizer's range, which counts whole."""
+    the profiler's own cost), outside the optimizer's range and the collectives' ranges
+    (COMM_RANGES: the call and its wait), which count whole."""
     main = {ev.thread for ev in events if ev.name == STEP_RANGE}
     cats = Counter({"matmul": 0.0, "attention": 0.0, "other ops": 0.0, "optimizer": 0.0,
                     "communication": 0.0})  # fmt: skip
@@ -128,11 +134,14 @@ def split_profile(events, steps: int, wall_s: float) -> tuple[dict[str, float], 
         if ev.name == OPTIMIZER_RANGE:
             cats["optimizer"] += ev.cpu_time_total / 1e6
             continue
+        if ev.name.startswith(COMM_RANGES) and not _counted_above(ev):
+            cats["communication"] += ev.cpu_time_total / 1e6
+            continue
         is_op = ev.name.startswith(("aten::", "c10d::", "gloo:")) or "record_param" in ev.name
         if not is_op:
             continue
         counts[ev.name] += 1
-        if not _under_optimizer(ev):
+        if not _counted_above(ev):
             cats[_category(ev.name)] += ev.self_cpu_time_total / 1e6
     per_step = {k: v / steps for k, v in cats.items()}
     per_step["host (outside ops)"] = wall_s / steps - sum(per_step.values())
