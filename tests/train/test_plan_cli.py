@@ -94,7 +94,7 @@ def test_what_does_not_fit_says_what_overflows(tmp_path, capsys):
     assert ": 0 fit, " in out.splitlines()[0]
     assert (
         "smallest that does not fit: needs " in out
-        and "(/ 0.9 margin) of 0.0 GiB (largest part: " in out
+        and "(/ 0.95 margin) of 0.0 GiB (largest part: " in out
     )
 
 

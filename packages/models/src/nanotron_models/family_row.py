@@ -63,9 +63,9 @@ class ModelFamily:
     is made and cut over tp, by `tp_plan` (which layer is split how; the blocks build their
     layers by the same plan); parameters tied across stages share the name `tied_key`.
     Sizes: `num_parameters(config)`; `training_flops_per_token(config, seq_len)` (forward +
-    backward, for MFU); `activation_elements(config, tp, sequence_parallel)` -> (elements one
-    layer saves per token for the backward, elements of a layer's input per token): the
-    memory check before allocation.
+    backward, for MFU); `activation_elements(config, tp, sequence_parallel)` -> (elements each
+    layer saves per token for the backward, in layer order; elements of a layer's input per
+    token): the memory model (the check before allocation and the planner).
     Architecture: `arch_keys`, the config fields that change the parameters or the maths (a
     checkpoint and a config, or an HF model and a config, must agree on them);
     `optional_arch_keys`, the same for features off by default, compared only when either
@@ -88,7 +88,7 @@ class ModelFamily:
     tied_key: str
     num_parameters: Callable[[Any], int]
     training_flops_per_token: Callable[[Any, int], float]
-    activation_elements: Callable[[Any, int, bool], tuple[int, int]]
+    activation_elements: Callable[[Any, int, bool], tuple[tuple[int, ...], int]]
     arch_keys: tuple[str, ...]
     optional_arch_keys: tuple[str, ...]
     new_decode_state: Callable[[Any], Any]

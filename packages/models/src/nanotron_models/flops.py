@@ -125,32 +125,37 @@ def llama_block_specs(config: LlamaConfig, seq_len: int | None = None) -> list[B
     return [BlockSpec(n, c) for n, c in zip(names, costs)]
 
 
-def _mlp_activation_elements(c: LlamaConfig, tp: int) -> int:
-    """Saved elements per token of the largest feed-forward block: the dense MLP's gate, up,
-    silu and product; a MoE layer's routed copies of the token (top_k of them, with their
-    gate_up, silu and product), router scores and shared expert."""
-    dense = 4 * c.intermediate_size // tp
-    m = getattr(c, "moe_config", None)
-    if m is None:
-        return dense
-    routed = m.top_k * (c.hidden_size + 4 * m.moe_intermediate_size) + 3 * m.num_experts
+def _moe_activation_elements(c: LlamaConfig, tp: int) -> int:
+    """Saved elements per token of a MoE block: the routed copies of the token in and out
+    (top_k of each, with their gate, up, silu and product), the router's logits,
+    probabilities and top-k (about 6 per expert) and the shared expert's MLP."""
+    m = c.moe_config
+    routed = m.top_k * (2 * c.hidden_size + 4 * m.moe_intermediate_size) + 6 * m.num_experts
     shared = 4 * m.shared_expert_intermediate_size // tp if m.enable_shared_expert else 0
-    return max(dense, routed + shared)
+    return routed + shared
 
 
 def llama_activation_elements(
     config: LlamaConfig, tp: int, sequence_parallel: bool
-) -> tuple[int, int]:
-    """(saved elements per token of one decoder layer, of one layer's input) on a tp rank,
+) -> tuple[tuple[int, ...], int]:
+    """(saved elements per token of each decoder layer, of one layer's input) on a tp rank,
     for the memory check before allocation; `sequence_parallel`: REDUCE_SCATTER mode, where
-    the residual stream holds 1/tp of the sequence."""
+    the residual stream holds 1/tp of the sequence. Counted from autograd's saved tensors of a
+    layer (tests/train/test_plan_memory.py measures the layer's share of the peak: 2436 per
+    token at hidden 128, as here)."""
     c = config
     h = c.hidden_size
     d = h // c.num_attention_heads
     hs = h // tp if sequence_parallel else h
     qkv = (c.num_attention_heads + 2 * c.n_kv_heads) * d // tp
     attn = c.num_attention_heads * d // tp
-    # two norms (input, normed, gathered linear input), residual, qkv + rotated q/k, the
-    # attention's output (and o_proj's input), gate, up, silu and product of the MLP
-    per_layer = 4 * hs + 2 * h + 2 * qkv + 2 * attn + _mlp_activation_elements(c, tp)
-    return per_layer, hs
+    # two norms' inputs and outputs, under sequence parallel the gathered inputs of the qkv
+    # and gate/up linears; q, k, v once (rotated in place for attention), the attention's
+    # output (o_proj's input) and its fp32 log-sum-exp per head; the MLP's or MoE's set
+    gathered = 2 * h if sequence_parallel and tp > 1 else 0
+    heads = c.num_attention_heads // tp
+    mlp = 4 * c.intermediate_size // tp
+    m = getattr(c, "moe_config", None)
+    moe = set(m.moe_layers(c.num_hidden_layers)) if m is not None else set()
+    ffn = [_moe_activation_elements(c, tp) if i in moe else mlp for i in range(c.num_hidden_layers)]
+    return tuple(4 * hs + gathered + qkv + attn + heads + f for f in ffn), hs

@@ -170,7 +170,7 @@ def mamba1_num_parameters(config: MambaConfig) -> int:
 
 def mamba1_activation_elements(
     config: MambaConfig, tp: int, sequence_parallel: bool
-) -> tuple[int, int]:
+) -> tuple[tuple[int, ...], int]:
     """(saved elements per token of a layer, of a layer's input) on a tp rank: the memory check
     before allocation. A layer saves its norm, in_proj's output, the conv's output, x_proj's,
     dt, and the scan's per-state decays, inputs and states (3 I N, fp32) and gated output."""
@@ -180,4 +180,4 @@ def mamba1_activation_elements(
     i = d.intermediate_size // tp
     per = 2 * hs + h + 2 * i + i + (d.time_step_rank + 2 * d.state_size) + i
     per += 2 * (3 * i * d.state_size + 2 * i)  # fp32: two elements of the model's dtype each
-    return per, hs
+    return (per,) * c.num_hidden_layers, hs

@@ -248,21 +248,32 @@ def hybrid_num_parameters(config: Mamba2HybridConfig) -> int:
 
 def hybrid_activation_elements(
     config: Mamba2HybridConfig, tp: int, sequence_parallel: bool
-) -> tuple[int, int]:
-    """(saved elements per token of the largest layer, of a layer's input) on a tp rank: the
-    memory check before allocation. A Mamba-2 layer saves its norm, in_proj's output, the
-    conv's output, the scan's fp32 output and the gated norm's input and output."""
+) -> tuple[tuple[int, ...], int]:
+    """(saved elements per token of each layer, of a layer's input) on a tp rank: the memory
+    model. Counted from autograd's saved tensors of each layer kind with the scans in PyTorch
+    (the CPU's path; the GPU's fused kernels save less): a Mamba-2 layer's norm, in_proj's
+    output, the conv's input with its halo, output and activation, about nine copies of the
+    inner width I (the scan's x, y, gate, norm), per chunk of c tokens the decay matrices
+    (2 H c per token) and the chunk states (2 H P N / c per token)."""
     c, h = config, config.hidden_size
     hs = h // tp if sequence_parallel else h
+    gathered = h if sequence_parallel and tp > 1 else 0  # a column-parallel linear's input
     d = c.mamba_dims
-    per = {"M": 2 * hs + h + (d.in_proj_size + d.conv_dim + 4 * d.intermediate_size) // tp}
+    chunk = d.chunk_size
+    scan = (
+        d.in_proj_size + 3 * d.conv_dim + 9 * d.intermediate_size + d.num_heads * d.state_size
+        + 2 * d.n_groups * d.state_size + 3 * d.num_heads + 2 * d.num_heads * chunk
+        + 2 * d.intermediate_size * d.state_size // chunk
+    )  # fmt: skip
+    per = {"M": 2 * hs + h + scan // tp}
     a = c.attention_view()
     qkv = (a.num_attention_heads + 2 * a.n_kv_heads) * a.head_dim // tp
-    per["*"] = 2 * hs + h + 2 * qkv + 2 * a.num_attention_heads * a.head_dim // tp
-    per["-"] = 2 * hs + h + 3 * c.intermediate_size // tp
-    # the routed copies of each token in and out, the experts' hidden (relu2: 3 x I), the
-    # router's fp32 scores, the shared expert as an MLP
+    attn = a.num_attention_heads * (a.head_dim + 1) // tp  # output and fp32 log-sum-exp
+    per["*"] = 2 * hs + gathered + qkv + attn
+    per["-"] = 2 * hs + gathered + 2 * c.intermediate_size // tp  # relu2: up and its square
+    # the routed copies of each token in and out with the experts' up and relu2 (2 x I), the
+    # router's (about 6 per expert), the shared expert as an MLP
     k, i_e = c.num_experts_per_tok, c.moe_intermediate_size
-    per["E"] = (2 * hs + h + k * (2 * h + 3 * i_e) + 3 * c.n_routed_experts
-                + 3 * c.moe_shared_expert_intermediate_size // tp)  # fmt: skip
-    return max(per[k] for k in set(c.pattern) if k in per), hs
+    per["E"] = (2 * hs + gathered + k * (2 * h + 2 * i_e) + 6 * c.n_routed_experts
+                + 2 * c.moe_shared_expert_intermediate_size // tp)  # fmt: skip
+    return tuple(per[kind] for kind in c.pattern), hs

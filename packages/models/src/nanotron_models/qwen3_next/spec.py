@@ -237,22 +237,38 @@ def qwen3_next_num_parameters(config: Qwen3NextConfig) -> int:
 
 def qwen3_next_activation_elements(
     config: Qwen3NextConfig, tp: int, sequence_parallel: bool
-) -> tuple[int, int]:
-    """(saved elements per token of the largest layer, of a layer's input) on a tp rank: the
-    memory check before allocation. A layer saves its two norms' inputs and outputs, its
-    mixer's projections (and the Gated DeltaNet's conv output, fp32 core output and gated
-    norm), and its feed-forward's (every routed copy of a token for experts)."""
+) -> tuple[tuple[int, ...], int]:
+    """(saved elements per token of each layer, of a layer's input) on a tp rank: the memory
+    model. Counted from autograd's saved tensors of each layer kind with the delta rule in
+    PyTorch (the CPU's path): a layer's two norms, its mixer's and its feed-forward's sets.
+    The gated attention saves q with its gate, k, v, their norms' inputs and outputs, the
+    rotated q and k, the output and its fp32 log-sum-exp; the Gated DeltaNet its projections,
+    the conv's input with its halo, output and activation, about eleven copies of the value
+    width (the delta rule's normalised q, k, v, output, gate and norm), per chunk of c tokens
+    the decay and triangular matrices (7 H_v c per token) and the chunk states
+    (2 H_v d_k d_v / c per token); a MoE block the routed copies in and out with their
+    gate, up, silu and product, the router's (about 8 per expert) and the shared expert, under
+    sequence parallel for this rank's part of the sequence only (its MLP input not gathered)."""
     c, h = config, config.hidden_size
     hs = h // tp if sequence_parallel else h
+    gathered = 2 * h if sequence_parallel and tp > 1 else 0  # the mixer's and MLP's inputs
     g = gdn_sizes(c)
-    attn = ((3 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim) // tp
-    mixer = {"*": 2 * attn, "G": (g["qkvz"] + g["ba"] + g["conv"] + 4 * g["value"]) // tp}
-    dense = 3 * c.intermediate_size // tp
-    sparse = 3 * c.moe_intermediate_size * c.num_experts_per_tok + 3 * (
-        c.shared_expert_intermediate_size // tp
-    )
-    per = [
-        4 * hs + 2 * h + mixer[c.mixer_kind(i)] + (sparse if c.ffn_kind(i) == "E" else dense)
+    hd, heads, kv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    attn = (2 * (3 * heads + 2 * kv) + 2 * heads + kv) * hd + heads
+    hv, chunk = c.linear_num_value_heads, c.linear_chunk_size
+    delta = (
+        2 * h + g["qkvz"] + g["ba"] + 3 * g["conv"] + 11 * g["value"] + 3 * g["key"] + 4 * hv
+        + 7 * hv * chunk + 2 * hv * c.linear_key_head_dim * c.linear_value_head_dim // chunk
+    )  # fmt: skip
+    mixer = {"*": attn // tp, "G": delta // tp}
+    dense = 4 * c.intermediate_size // tp
+    sparse = (
+        c.num_experts_per_tok * (2 * h + 4 * c.moe_intermediate_size) + 2 * h
+        + 8 * c.num_experts + 4 * c.shared_expert_intermediate_size // tp
+    )  # fmt: skip
+    if sequence_parallel and tp > 1:  # the MoE block routes this rank's part of the sequence
+        sparse = sparse // tp - h // tp
+    return tuple(
+        4 * hs + gathered + mixer[c.mixer_kind(i)] + (sparse if c.ffn_kind(i) == "E" else dense)
         for i in range(c.num_hidden_layers)
-    ]
-    return max(per), hs
+    ), hs

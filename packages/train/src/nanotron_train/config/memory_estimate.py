@@ -10,7 +10,9 @@ beside it) skips the check for a machine where the estimate is known to be pessi
 
 The estimate is the planner's memory model (nanotron_train/plan/memory.py, which says what it
 counts): one model for both, which aims to err high (tests/train/test_plan_memory.py asserts
-0.90-1.25x of the measured peak of small runs of every layout kind).
+its tensor bytes within 0.95-1.15x of the allocator's measured peak in small runs of every
+layout kind); its total adds the allocator's fragmentation on this device and a runtime
+reserve.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def available_bytes(device: torch.device, world_size: int) -> tuple[int, str]:
 
 
 def memory_error(cfg, device: torch.device, world_size: int) -> str | None:
-    est = estimate(cfg)
+    est = estimate(cfg, host=device.type != "cuda")
     have, where = available_bytes(device, world_size)
     if est.total <= have:
         return None
