@@ -271,6 +271,25 @@ def test_lighteval_section_is_read_and_what_does_not_map_is_warned(tmp_path):
         "lighteval keys s3_save_path have no meaning here and are ignored (the checkpoints are "
         "evaluated by `python -m nanotron_train.evaluate --watch`)"
     ]
+    from nanotron_train.config.training_inputs import prepare_for_training
+
+    said: list[str] = []
+    prepare_for_training(cfg, "l.yaml", warn=said.append)  # what the trainer's rank 0 prints
+    assert said == [f"warning: l.yaml: {line}" for line in evaluation_warnings(cfg)]
+
+
+def test_missing_task_folder_is_one_line_naming_the_key(tmp_path):
+    from nanotron_train.config.training_inputs import prepare_for_training
+
+    missing = tmp_path / "nope"
+    ev = {"tasks": ["x"], "include_path": [str(missing)]}
+    cfg = config_from_dict(_config(tmp_path, "f", tmp_path / "tok", ev), "f.yaml")
+    with pytest.raises(ConfigError) as err:
+        prepare_for_training(cfg, "f.yaml")
+    assert str(err.value) == (
+        f"f.yaml: evaluation.include_path.0: {missing}: no such folder of task YAMLs, seen "
+        f"from {os.getcwd()}"
+    )
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ call `prepare_for_training` right after loading the config:
    one of its special tokens trains, with one warning (token_ids.py) handed to `warn`: the
    callers give it to one process only. An unreadable tokenizer is left to the data path,
    which needs it only for real data (a synthetic run may name a tokenizer it never reads).
-4. Nanotron's `lighteval` keys with no meaning here: one warning each (config/evaluation.py).
+4. `evaluation.include_path` folders present (made absolute); Nanotron's `lighteval` keys
+   with no meaning here: one warning (config/evaluation.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def prepare_for_training(
         _settle_dataset(stage.data.dataset, f"data_stages.{i}.data.dataset", source)
     if cfg.validation is not None:
         _settle_dataset(cfg.validation.dataset, "validation.dataset", source)
+    if cfg.evaluation is not None:
+        _settle_task_folders(cfg.evaluation, source)
     if warn is not None:
         _warn_token_ids(cfg, source, warn)
         from nanotron_train.config.evaluation import evaluation_warnings
@@ -51,6 +54,19 @@ def prepare_for_training(
         for line in evaluation_warnings(cfg):  # Nanotron's lighteval keys that do not map
             warn(f"warning: {source}: {line}")
     return cfg
+
+
+def _settle_task_folders(evaluation: Any, source: str) -> None:
+    """`evaluation.include_path`: folders that exist, made absolute (the separate job reads
+    them from the checkpoint's config, from its own working directory)."""
+    for j, folder in enumerate(evaluation.include_path):
+        if not Path(folder).expanduser().is_dir():
+            raise ConfigError(
+                f"evaluation.include_path.{j}",
+                f"{folder}: no such folder of task YAMLs, seen from {os.getcwd()}",
+                source,
+            )
+    evaluation.include_path = [_absolute(f) for f in evaluation.include_path]
 
 
 def _absolute(path: str) -> str:
