@@ -1,9 +1,10 @@
 """The planner's communication model (nanotron_train/plan/comm.py) against the bytes a training
 step hands to each process group's collectives, counted by wrapping torch.distributed's
-collectives in every rank: tp (all-reduce), cp (all-gather), ep (all-to-all, summed over the
-ep group: a rank's received rows depend on the routing), pp (sends) and dp (the dense and
-expert gradients' reductions, and the ZeRO-1/2/3 parameter gathers over the same group)
-equal the prediction exactly, with recompute and the cp ring too. Calls of at most 8 bytes (the
+collectives in every rank: tp (all-reduce; sequence parallel's all-gathers, reduce-scatters
+and norm-gradient all-reduces), cp (all-gather, ring, Ulysses' all-to-alls), ep (all-to-all,
+summed over the ep group: a rank's received rows depend on the routing), pp (sends) and dp
+(the dense and expert gradients' reductions, and the ZeRO-1/2/3 parameter gathers over the
+same group) equal the prediction exactly, with recompute too. Calls of at most 8 bytes (the
 logged loss, the gradient norm) are scalars the model leaves out. One world-4 launch."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ LAYOUTS = {
     "cp2 dp2 all-gather zero1": dict(cp=2, dp=2, zero=1),
     "cp4 ring": dict(cp=4, cp_attention="ring"),
     "moe dp4 ep2": dict(family="moe", dp=4, ep=2, m=1),
+    "tp2 dp2 sequence parallel recompute": dict(tp=2, dp=2, mode="REDUCE_SCATTER", recompute=True),
+    "cp4 ulysses (kv heads repeated)": dict(cp=4, cp_attention="ulysses", m=1),
 }
 
 

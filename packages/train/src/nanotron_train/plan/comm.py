@@ -10,13 +10,15 @@ each kind's function below says what it counts. Scalars (the logged loss, the gr
 are left out. tests/train/test_plan_comm.py counts the bytes handed to the process groups'
 collectives in a training step (tp all-reduce, cp all-gather, ep all-to-all over the ep group,
 pp sends, dp reductions of dense and expert gradients, ZeRO's parameter gathers; with
-recompute, the cp all-gather and ring) and finds these exactly; sequence parallel and Ulysses
-are modelled but not counted yet (sequence parallel counted 0.05% more tp bytes, Ulysses 1.7x).
+recompute, the cp all-gather, ring and Ulysses, sequence parallel) and finds these exactly
+for the Llama family. The state-space families' layers differ (one tp block per layer, the
+Mamba-2 and Gated DeltaNet cp exchanges): not modelled yet (docs/planner.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -56,21 +58,32 @@ class _Step:
 def _tp(cfg, s: _Step) -> list[Collective]:
     """Per micro-batch: 4 all-reduces of T x h per layer (+1 under recompute); the embedding's
     output (first rank) and the fused loss's input gradient (loss rank) one each; the loss's
-    row maximum and (target logit, sum of exponentials) pair, 3 fp32 per token."""
+    row maximum and (target logit, sum of exponentials) pair, 3 fp32 per token. Sequence
+    parallel: the same payloads gathered and reduce-scattered, + the norms' weight gradients
+    (a Llama-family layer's two norms; counted at tp = 2)."""
     par = cfg.parallelism
     if par.tp == 1:
         return []
     per_mb = (4 + par.recompute_layer) * s.layers * s.T * s.h * s.e
     per_mb += (s.first + s.last) * s.T * s.h * s.e + (12 * s.T if s.last else 0)
-    op = "all_reduce" if par.tp_mode == "ALL_REDUCE" else "all_gather"
-    return [Collective("tp", op, per_mb * s.m, par.tp, 1)]
+    if par.tp_mode == "ALL_REDUCE":
+        return [Collective("tp", "all_reduce", per_mb * s.m, par.tp, 1)]
+    # sequence parallel: the same payloads as all-gathers and reduce-scatters, and the norms'
+    # weights, shared by the sequence's parts, have their gradients all-reduced (h each: the
+    # layer's two norms, and the final norm on the loss rank)
+    norms = (2 * s.layers + s.last) * s.h * s.e
+    return [
+        Collective("tp", "all_gather", per_mb * s.m, par.tp, 1),
+        Collective("tp", "all_reduce", norms * s.m, par.tp, 1),
+    ]
 
 
 def _cp(cfg, s: _Step) -> list[Collective]:
     """allgather: each layer's K and V of the whole sequence (kv heads over tp), once per
     micro-batch; ring: cp - 1 sends of the local K, V forward, cp - 1 of K, V and cp of dK, dV
     (passed on until they are home) backward (counted at cp = 2 and 4);
-    ulysses: q, k, v and the output all-to-all forward and backward."""
+    ulysses: q, k, v (kv heads repeated until they split over cp) and the output all-to-all
+    forward and backward (counted at cp = 2 x tp = 2 and cp = 4 with 2 kv heads)."""
     par, mc = cfg.parallelism, cfg.model.model_config
     cp, tp = par.context_parallel_size, par.tp
     if cp == 1:
@@ -82,7 +95,10 @@ def _cp(cfg, s: _Step) -> list[Collective]:
         return [Collective("cp", "all_gather", kv * cp * n, cp, tp)]
     if mode == "ring":
         return [Collective("cp", "p2p", (3 * cp - 2) * kv * n, cp, tp)]
-    qkvo = 2 * s.T * (2 * mc.num_attention_heads + 2 * mc.n_kv_heads) * mc.head_dim // tp * s.e
+    # Ulysses: kv heads that do not split over cp are repeated first (the fewest times)
+    kv_heads = mc.n_kv_heads // tp
+    kv_heads *= cp // math.gcd(kv_heads, cp)
+    qkvo = 2 * s.T * (2 * mc.num_attention_heads // tp + 2 * kv_heads) * mc.head_dim * s.e
     return [Collective("cp", "all_to_all", qkvo * n, cp, tp)]
 
 
