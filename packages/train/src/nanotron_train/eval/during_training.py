@@ -112,7 +112,7 @@ def evaluate_checkpoint(folder: Path, pc, settings: EvaluationArgs) -> dict:
 
 
 @contextmanager
-def kept_rng(device: torch.device) -> Iterator[None]:
+def kept_rng() -> Iterator[None]:
     """Python's, NumPy's, torch's and CUDA's generators as they were before (the harness
     seeds them)."""
     py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -145,7 +145,7 @@ class CheckpointEvaluator:
             return None
         self.done.add(step)
         error, rec = None, None
-        with kept_rng(self.pc.device):
+        with kept_rng():
             try:
                 rec = evaluate_checkpoint(folder, self.pc, self.settings)
             except Exception as exc:  # noqa: BLE001 (a failed evaluation never stops training)

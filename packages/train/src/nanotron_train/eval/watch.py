@@ -187,7 +187,7 @@ def watch(root: Path, pc, flags: EvaluationArgs | None, sinks: WatchSinks | None
 def _evaluate(folder: Path, pc, settings: EvaluationArgs, step: int, meta: dict) -> dict:
     error = None
     try:
-        with kept_rng(pc.device):
+        with kept_rng():
             rec = evaluate_checkpoint(folder, pc, settings)
     except Exception as exc:  # noqa: BLE001 (one checkpoint's failure does not stop the job)
         error = first_line(exc)
