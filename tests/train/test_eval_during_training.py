@@ -211,10 +211,35 @@ def test_failing_task_is_one_line_and_training_goes_on(runs):
     assert not any(k.startswith("eval/") for r in records for k in r)
 
 
-def test_separate_job_picks_up_a_new_checkpoint(runs, tmp_path):
+class RecordingClient:
+    """Stands for the dashboard client the watcher opens for the run (its id, its URL)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id, self.sent = run_id, []
+
+    def metrics(self, step: int, values: dict) -> None:
+        self.sent.append((step, values))
+
+    def event(self, *args) -> None:
+        self.sent.append(("event", args))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.sent.append("closed")
+
+
+def test_separate_job_picks_up_a_new_checkpoint(runs, tmp_path, monkeypatch):
     """`evaluate --watch` on a folder holding step 2 evaluates it, then step 4 once it appears
-    (the run's last step: the watcher stops), with the in-process evaluation's scores."""
+    (the run's last step: the watcher stops), with the in-process evaluation's scores, in its
+    results file and to the dashboard as the run's metrics."""
     from nanotron_train.evaluate import main
+    from nanotron_train.reporting import dashboard_sink
+
+    clients: list[RecordingClient] = []
+    monkeypatch.setattr(
+        dashboard_sink,
+        "client_from_config",
+        lambda url, run_id, **kw: clients.append(RecordingClient(run_id)) or clients[-1],
+    )
 
     src, root = runs["root"] / "with" / "ck", tmp_path / "ck"
     root.mkdir()
@@ -246,6 +271,13 @@ def test_separate_job_picks_up_a_new_checkpoint(runs, tmp_path):
     assert [_scores(r) for r in watched] == [_scores(r) for r in in_process]
     run_id = _records(runs["root"], "with")[0]["run_id"]
     assert {r["run_id"] for r in watched} == {run_id}
+    [client] = clients
+    assert client.run_id == run_id
+    assert client.sent == [
+        (r["step"], {**_scores(r), "eval/seconds": w["eval/seconds"],
+                     "consumed_tokens": r["consumed_tokens"]})
+        for r, w in zip(in_process, watched)
+    ] + ["closed"]  # fmt: skip
 
 
 def test_lighteval_section_is_read_and_what_does_not_map_is_warned(tmp_path):
