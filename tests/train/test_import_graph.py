@@ -185,13 +185,14 @@ FAMILY_MODULES = {
         # the Mamba-2 / hybrid family (its layers reuse the Llama family's attention and norm)
         "mamba2_hybrid", "mamba2_hybrid.config", "mamba2_hybrid.spec", "mamba2_hybrid.layers",
         "mamba2_hybrid.stage", "mamba2_hybrid.hf", "mamba2_hybrid.decode_state",
-        "mamba2_hybrid.names",
+        "mamba2_hybrid.names", "mamba2_hybrid.comm",
         # the Mamba-1 family (Nanotron's example; its stage is the hybrid's with its layers)
         "mamba1", "mamba1.config", "mamba1.spec", "mamba1.layers", "mamba1.stage", "mamba1.hf",
         "mamba1.names",
         # the Qwen3-Next family (its stage and layers build on the hybrid's)
         "qwen3_next", "qwen3_next.config", "qwen3_next.spec", "qwen3_next.attention",
         "qwen3_next.layers", "qwen3_next.stage", "qwen3_next.hf", "qwen3_next.names",
+        "qwen3_next.comm",
     )
 }  # fmt: skip
 # Modules that may name a family: its row, and the package's facade (re-exports for scripts).

@@ -4,12 +4,15 @@ collectives in every rank: tp (all-reduce; sequence parallel's all-gathers, redu
 and norm-gradient all-reduces), cp (all-gather, ring, Ulysses' all-to-alls), ep (all-to-all,
 summed over the ep group: a rank's received rows depend on the routing), pp (sends) and dp
 (the dense and expert gradients' reductions, and the ZeRO-1/2/3 parameter gathers over the
-same group) equal the prediction exactly, with recompute too. Calls of at most 8 bytes (the
+same group) equal the prediction exactly, with recompute too; for the Mamba-2 hybrid (one
+tp block per layer; cp: Mamba-2's halo and state passing beside the attention's all-gather)
+and Qwen3-Next (the Gated DeltaNet's state passing, the MoE balance sums over cp) as well. Calls of at most 8 bytes (the
 logged loss, the gradient norm) are scalars the model leaves out. One world-4 launch."""
 
 from __future__ import annotations
 
 import collections
+import importlib
 import io
 
 import pytest
@@ -21,6 +24,10 @@ from tests.train.test_plan_memory import raw
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
        "all_to_all_single", "broadcast")  # fmt: skip
 KINDS = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp_cp": "dp", "edp_cp": "dp"}
+ALIASED = [f"nanotron_parallel.{m}" for m in (
+    "tensor_parallel.functional", "tensor_parallel.async_linear", "data_parallel.zero",
+    "data_parallel.zero3", "context_parallel.allgather", "context_parallel.state_passing",
+)]  # fmt: skip
 LAYOUTS = {
     "dp2 tp2 recompute zero2": dict(dp=2, tp=2, recompute=True, zero=2),
     "pp2 dp2 1f1b zero3": dict(pp=2, dp=2, m=4, mbs=2, zero=3),
@@ -29,6 +36,8 @@ LAYOUTS = {
     "moe dp4 ep2": dict(family="moe", dp=4, ep=2, m=1),
     "tp2 dp2 sequence parallel recompute": dict(tp=2, dp=2, mode="REDUCE_SCATTER", recompute=True),
     "cp4 ulysses (kv heads repeated)": dict(cp=4, cp_attention="ulysses", m=1),
+    "mamba-2 hybrid cp2 tp2 (Mamba-2 state passing)": dict(family="hybrid", cp=2, tp=2),
+    "qwen3-next cp2 dp2 (Gated DeltaNet state passing)": dict(family="qwen3-next", cp=2, dp=2, m=1),
 }
 
 
@@ -47,6 +56,14 @@ class Counter:
         self.bytes: collections.Counter = collections.Counter()
         for name in OPS:
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        # The tensor-in/tensor-out collectives (dist.all_gather_single, reduce_scatter_single)
+        # are bound by name where they are imported: wrapped there too, or every all-gather
+        # of sequence parallel, cp and ZeRO-3 goes uncounted
+        for module in ALIASED:
+            mod = importlib.import_module(module)
+            for alias in ("_all_gather_tensor", "_reduce_scatter_tensor"):
+                if hasattr(mod, alias):
+                    setattr(mod, alias, self._wrap(alias, getattr(mod, alias)))
         batch = dist.batch_isend_irecv
 
         def batch_isend_irecv(ops):

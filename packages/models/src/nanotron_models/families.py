@@ -41,11 +41,13 @@ from .mamba1.spec import (
     mamba1_block_costs,
     mamba1_block_names,
     mamba1_init_spec,
+    mamba1_layer_comm,
     mamba1_num_parameters,
     mamba1_training_flops_per_token,
 )
 from .mamba1.stage import build_mamba1_stage, new_mamba1_decode_state
 from .mamba2_hybrid import hf as mamba2_hf
+from .mamba2_hybrid.comm import hybrid_layer_comm
 from .mamba2_hybrid.config import Mamba2HybridConfig
 from .mamba2_hybrid.decode_state import new_hybrid_decode_state
 from .mamba2_hybrid.names import HYBRID_NANOTRON_LAYER_NAMES
@@ -64,6 +66,7 @@ from .model import TIED_KEY, build_llama_stage
 from .nanotron_names import LLAMA_NANOTRON_LAYER_NAMES, LLAMA_NANOTRON_TOP_NAMES
 from .qwen2 import Qwen2Config
 from .qwen3_next import hf as qwen3_next_hf
+from .qwen3_next.comm import qwen3_next_layer_comm
 from .qwen3_next.config import Qwen3NextConfig
 from .qwen3_next.names import QWEN3_NEXT_NANOTRON_LAYER_NAMES
 from .qwen3_next.spec import (
@@ -190,6 +193,7 @@ MAMBA2 = ModelFamily(
     ),
     nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, HYBRID_NANOTRON_LAYER_NAMES),
     yaml_marker="is_mamba2_config",
+    layer_comm=hybrid_layer_comm,
 )
 
 # Mamba-1 (mamba1/): Nanotron's examples/mamba (is_mamba_config), HF MambaForCausalLM. Nanotron's
@@ -230,6 +234,7 @@ MAMBA1 = ModelFamily(
     ),
     nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, MAMBA1_NANOTRON_LAYER_NAMES),
     yaml_marker="is_mamba_config",
+    layer_comm=mamba1_layer_comm,
 )
 
 # Qwen3-Next (qwen3_next/): Gated DeltaNet (G) and gated full-attention (*) layers, each with
@@ -287,6 +292,7 @@ QWEN3_NEXT = ModelFamily(
     ),
     nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, QWEN3_NEXT_NANOTRON_LAYER_NAMES),
     yaml_marker="is_qwen3_next_config",
+    layer_comm=qwen3_next_layer_comm,
 )
 
 FAMILIES: dict[str, ModelFamily] = {

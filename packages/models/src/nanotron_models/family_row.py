@@ -65,7 +65,11 @@ class ModelFamily:
     Sizes: `num_parameters(config)`; `training_flops_per_token(config, seq_len)` (forward +
     backward, for MFU); `activation_elements(config, tp, sequence_parallel)` -> (elements each
     layer saves per token for the backward, in layer order; elements of a layer's input per
-    token): the memory model (the check before allocation and the planner).
+    token): the memory model (the check before allocation and the planner);
+    `layer_comm(config, tp, cp, cp_rank, batch, dtype)` -> per layer (residual blocks, each
+    all-reducing over tp once each way; bytes a state-passing layer hands to the cp group per
+    micro-batch, None for attention, 0 for none): the planner's communication model (None:
+    every layer an attention block and an MLP block).
     Architecture: `arch_keys`, the config fields that change the parameters or the maths (a
     checkpoint and a config, or an HF model and a config, must agree on them);
     `optional_arch_keys`, the same for features off by default, compared only when either
@@ -95,3 +99,4 @@ class ModelFamily:
     hf: HFMapping
     nanotron_names: NanotronNames
     yaml_marker: str = ""
+    layer_comm: Callable[..., tuple[tuple[int, int | None], ...]] | None = None

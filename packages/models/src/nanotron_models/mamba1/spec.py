@@ -181,3 +181,11 @@ def mamba1_activation_elements(
     per = 2 * hs + h + 2 * i + i + (d.time_step_rank + 2 * d.state_size) + i
     per += 2 * (3 * i * d.state_size + 2 * i)  # fp32: two elements of the model's dtype each
     return (per,) * c.num_hidden_layers, hs
+
+
+def mamba1_layer_comm(
+    config: MambaConfig, tp: int, cp: int, cp_rank: int, batch: int, dtype
+) -> tuple[tuple[int, int | None], ...]:
+    """Per layer (one residual block over tp; no cp exchange modelled): the planner's
+    communication model through the family row's `layer_comm`."""
+    return ((1, 0),) * config.num_hidden_layers

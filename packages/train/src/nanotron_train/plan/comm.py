@@ -8,11 +8,11 @@ and all-to-all (n-1)/n x bytes / bandwidth, p2p bytes / bandwidth.
 Per micro-batch of T tokens on the rank (mbs x sequence / cp), hidden h, e bytes per element,
 each kind's function below says what it counts. Scalars (the logged loss, the gradient norm)
 are left out. tests/train/test_plan_comm.py counts the bytes handed to the process groups'
-collectives in a training step (tp all-reduce, cp all-gather, ep all-to-all over the ep group,
-pp sends, dp reductions of dense and expert gradients, ZeRO's parameter gathers; with
-recompute, the cp all-gather, ring and Ulysses, sequence parallel) and finds these exactly
-for the Llama family. The state-space families' layers differ (one tp block per layer, the
-Mamba-2 and Gated DeltaNet cp exchanges): not modelled yet (docs/planner.md).
+collectives in a training step (tp all-reduce and sequence parallel, cp all-gather, ring and
+Ulysses, ep all-to-all over the ep group, pp sends, dp reductions of dense and expert
+gradients, ZeRO's parameter gathers; recompute) and finds these exactly, for Llama, a Mamba-2
+hybrid (Mamba-2's cp state passing) and Qwen3-Next (the Gated DeltaNet's). A family's layers
+(tp blocks, state-passing bytes) come from its row's `layer_comm`.
 """
 
 from __future__ import annotations
@@ -55,51 +55,100 @@ class _Step:
     last: bool
 
 
+def _layers(cfg, s: _Step) -> tuple[float, int, float]:
+    """(tp blocks per layer, attention layers, cp state-passing bytes per micro-batch) of the
+    rank's layers, from the family row's `layer_comm` (the mean over the model's layers:
+    exact at pp = 1); without one, every layer an attention block and an MLP block."""
+    from nanotron_models.config import DTYPES
+    from nanotron_models.families import family_of
+
+    mc, par = cfg.model.model_config, cfg.parallelism
+    layer_comm = family_of(mc).layer_comm
+    if layer_comm is None:
+        return 2.0, s.layers, 0.0
+    rows = layer_comm(mc, par.tp, par.context_parallel_size, 0, cfg.tokens.micro_batch_size,
+                      DTYPES[cfg.model.dtype])  # fmt: skip
+    share = s.layers / len(rows)
+    blocks = sum(b for b, _ in rows) / len(rows)
+    attention = round(sum(c is None for _, c in rows) * share)
+    return blocks, attention, sum(c or 0 for _, c in rows) * share
+
+
 def _tp(cfg, s: _Step) -> list[Collective]:
-    """Per micro-batch: 4 all-reduces of T x h per layer (+1 under recompute); the embedding's
-    output (first rank) and the fused loss's input gradient (loss rank) one each; the loss's
-    row maximum and (target logit, sum of exponentials) pair, 3 fp32 per token. Sequence
-    parallel: the same payloads gathered and reduce-scattered, + the norms' weight gradients
-    (a Llama-family layer's two norms; counted at tp = 2)."""
+    """Per micro-batch and layer of b residual blocks (Llama's attention and MLP: 2; a Mamba-2
+    hybrid's layer: 1): 2b all-reduces of T x h (+1 under recompute); the embedding's output
+    (first rank) and the fused loss's input gradient (loss rank) one each; the loss's row
+    maximum and (target logit, sum of exponentials) pair, 3 fp32 per token. Sequence
+    parallel: each all-reduce an all-gather and a reduce-scatter of the same payload (4b per
+    layer, 2 at each end); recompute gathers and scatters the layer's 2b + 1 again; the
+    norms' weights, shared by the sequence's parts, have their gradients all-reduced (h per
+    norm: one per block and the final norm)."""
     par = cfg.parallelism
     if par.tp == 1:
         return []
-    per_mb = (4 + par.recompute_layer) * s.layers * s.T * s.h * s.e
-    per_mb += (s.first + s.last) * s.T * s.h * s.e + (12 * s.T if s.last else 0)
+    blocks, _, _ = _layers(cfg, s)
+    the, r = s.T * s.h * s.e, int(par.recompute_layer)
+    ends = s.first + s.last
     if par.tp_mode == "ALL_REDUCE":
+        per_mb = round((2 * blocks + r) * s.layers) * the + ends * the + 12 * s.T * s.last
         return [Collective("tp", "all_reduce", per_mb * s.m, par.tp, 1)]
-    # sequence parallel: the same payloads as all-gathers and reduce-scatters, and the norms'
-    # weights, shared by the sequence's parts, have their gradients all-reduced (h each: the
-    # layer's two norms, and the final norm on the loss rank)
-    norms = (2 * s.layers + s.last) * s.h * s.e
+    per_mb = round((4 * blocks + r * (2 * blocks + 1)) * s.layers) * the + 2 * ends * the
+    per_mb += 12 * s.T * s.last
+    norms = (round(blocks * s.layers) + s.last) * s.h * s.e
     return [
         Collective("tp", "all_gather", per_mb * s.m, par.tp, 1),
         Collective("tp", "all_reduce", norms * s.m, par.tp, 1),
     ]
 
 
+def _attention_dims(mc) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of the family's attention layers."""
+    view = getattr(mc, "attention_view", None)
+    a = view() if callable(view) else mc
+    return a.num_attention_heads, a.n_kv_heads, a.head_dim
+
+
 def _cp(cfg, s: _Step) -> list[Collective]:
-    """allgather: each layer's K and V of the whole sequence (kv heads over tp), once per
-    micro-batch; ring: cp - 1 sends of the local K, V forward, cp - 1 of K, V and cp of dK, dV
-    (passed on until they are home) backward (counted at cp = 2 and 4);
-    ulysses: q, k, v (kv heads repeated until they split over cp) and the output all-to-all
-    forward and backward (counted at cp = 2 x tp = 2 and cp = 4 with 2 kv heads)."""
+    """Per attention layer and micro-batch: all-gather: each layer's K and V of the whole
+    sequence (kv heads over tp) gathered forward, gathered again and their gradients reduced
+    backward; ring: cp - 1 sends of the local K, V forward, cp - 1 of K, V and cp of dK, dV
+    (passed on until they are home) backward (counted at cp = 2 and 4); ulysses: q, k, v (kv
+    heads repeated until they split over cp) and the output all-to-all forward and backward
+    (counted at cp = 4 with 2 kv heads). A state-passing layer (Mamba-2, Gated DeltaNet) its
+    family row's bytes: the conv halo each way and the chunk summaries gathered and reduced.
+    A MoE layer's balance statistics (num_experts + 1 fp32) are summed over cp three times."""
     par, mc = cfg.parallelism, cfg.model.model_config
     cp, tp = par.context_parallel_size, par.tp
     if cp == 1:
         return []
-    kv = 2 * s.T * mc.n_kv_heads * mc.head_dim // tp * s.e
+    heads, n_kv, head_dim = _attention_dims(mc)
+    _, attention, state = _layers(cfg, s)
+    kv = 2 * s.T * n_kv * head_dim // tp * s.e
     mode = par.cp_attention or "allgather"
-    n = s.layers * s.m
+    n = attention * s.m
+    out = [Collective("cp", "all_gather", round(state * s.m), cp, tp)] if state else []
+    moe = getattr(mc, "moe_config", None)
+    if moe is not None and family_has_balance(cfg):
+        layers = len(moe.moe_layers(mc.num_hidden_layers)) * s.layers // mc.num_hidden_layers
+        out.append(
+            Collective("cp", "all_reduce", 12 * (moe.num_experts + 1) * layers * s.m, cp, tp)
+        )
     if mode == "allgather":
-        return [Collective("cp", "all_gather", kv * cp * n, cp, tp)]
+        return [*out, Collective("cp", "all_gather", 3 * kv * cp * n, cp, tp)]
     if mode == "ring":
-        return [Collective("cp", "p2p", (3 * cp - 2) * kv * n, cp, tp)]
+        return [*out, Collective("cp", "p2p", (3 * cp - 2) * kv * n, cp, tp)]
     # Ulysses: kv heads that do not split over cp are repeated first (the fewest times)
-    kv_heads = mc.n_kv_heads // tp
+    kv_heads = n_kv // tp
     kv_heads *= cp // math.gcd(kv_heads, cp)
-    qkvo = 2 * s.T * (2 * mc.num_attention_heads // tp + 2 * kv_heads) * mc.head_dim * s.e
-    return [Collective("cp", "all_to_all", qkvo * n, cp, tp)]
+    qkvo = 2 * s.T * (2 * heads // tp + 2 * kv_heads) * head_dim * s.e
+    return [*out, Collective("cp", "all_to_all", qkvo * n, cp, tp)]
+
+
+def family_has_balance(cfg) -> bool:
+    """Qwen3-Next's MoE sums its balance statistics over the cp group (counted there)."""
+    from nanotron_models.families import family_of
+
+    return family_of(cfg.model.model_config).name == "qwen3_next"
 
 
 def _ep(cfg, s: _Step, moe_layers: int) -> list[Collective]:
