@@ -34,6 +34,7 @@ LAYOUTS = {
     "cp2 dp2 all-gather zero1": dict(cp=2, dp=2, zero=1),
     "cp4 ring": dict(cp=4, cp_attention="ring"),
     "moe dp4 ep2": dict(family="moe", dp=4, ep=2, m=1),
+    "tp2 dp2 sequence parallel": dict(tp=2, dp=2, mode="REDUCE_SCATTER", m=1),
     "tp2 dp2 sequence parallel recompute": dict(tp=2, dp=2, mode="REDUCE_SCATTER", recompute=True),
     "cp4 ulysses (kv heads repeated)": dict(cp=4, cp_attention="ulysses", m=1),
     "mamba-2 hybrid cp2 tp2 (Mamba-2 state passing)": dict(family="hybrid", cp=2, tp=2),

@@ -76,13 +76,15 @@ def _layers(cfg, s: _Step) -> tuple[float, int, float]:
 
 def _tp(cfg, s: _Step) -> list[Collective]:
     """Per micro-batch and layer of b residual blocks (Llama's attention and MLP: 2; a Mamba-2
-    hybrid's layer: 1): 2b all-reduces of T x h (+1 under recompute); the embedding's output
-    (first rank) and the fused loss's input gradient (loss rank) one each; the loss's row
-    maximum and (target logit, sum of exponentials) pair, 3 fp32 per token. Sequence
-    parallel: each all-reduce an all-gather and a reduce-scatter of the same payload (4b per
-    layer, 2 at each end); recompute gathers and scatters the layer's 2b + 1 again; the
-    norms' weights, shared by the sequence's parts, have their gradients all-reduced (h per
-    norm: one per block and the final norm)."""
+    hybrid's layer: 1): 2b all-reduces of T x h, + b - 1 under recompute (the recomputed
+    forward's, but the layer output's); the embedding's output (first rank) and the fused
+    loss's input gradient (loss rank) one each; the loss's row maximum and (target logit, sum
+    of exponentials) pair, 3 fp32 per token. Sequence parallel: all-gathers and
+    reduce-scatters of the same payload, 5 per block (each block's input gathered and its
+    output scattered, their adjoints backward, and the input gathered again for the weight
+    gradient), + 2b - 1 under recompute, 2 at each end; the norms' weights, shared by the
+    sequence's parts, have their gradients all-reduced (h per norm: one per block and the
+    final norm)."""
     par = cfg.parallelism
     if par.tp == 1:
         return []
@@ -90,9 +92,10 @@ def _tp(cfg, s: _Step) -> list[Collective]:
     the, r = s.T * s.h * s.e, int(par.recompute_layer)
     ends = s.first + s.last
     if par.tp_mode == "ALL_REDUCE":
-        per_mb = round((2 * blocks + r) * s.layers) * the + ends * the + 12 * s.T * s.last
+        per_mb = round((2 * blocks + r * (blocks - 1)) * s.layers) * the
+        per_mb += ends * the + 12 * s.T * s.last
         return [Collective("tp", "all_reduce", per_mb * s.m, par.tp, 1)]
-    per_mb = round((4 * blocks + r * (2 * blocks + 1)) * s.layers) * the + 2 * ends * the
+    per_mb = round((5 * blocks + r * (2 * blocks - 1)) * s.layers) * the + 2 * ends * the
     per_mb += 12 * s.T * s.last
     norms = (round(blocks * s.layers) + s.last) * s.h * s.e
     return [
