@@ -2,10 +2,11 @@
 written, with only the substitutions of the table below: a broken command fails CI.
 
 Each page runs in its own copy of one prepared sandbox (a tiny corpus, tokenizer, Nanosets, a
-2-step checkpoint, `run.yaml`), its blocks in page order, each block as one bash script (so
-`source`, `&` and `$VAR` behave as in a terminal). A dashboard started without `&` is started,
-waited for until it answers, and stopped. A ```console block's `$ ` lines are the commands and
-the other lines the output they must print; a shown `error:` line means exit status 2.
+2-step checkpoint, `run.yaml`), two pages at a time, its blocks in page order, each block as one
+bash script (so `source`, `&` and `$VAR` behave as in a terminal). A dashboard started without
+`&` is started, waited for until it answers, and stopped. A ```console block's `$ ` lines are
+the commands and the other lines the output they must print; a shown `error:` line means exit
+status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -250,14 +253,45 @@ def page_env() -> dict[str, str]:
 PAGES = [p for p in pages() if any(b.lang in SHELL_LANGS for b in blocks(p))]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("page", PAGES, ids=rel)
-def test_every_shell_command_of_the_page_runs(page: Path, sandbox: Path, tmp_path: Path):
-    cwd = tmp_path / "work"
+# Pages run two at a time, each in its own copy of the sandbox with its own ports, its blocks in
+# order: many commands are one process on one core (tokenize, convert, generate, a dashboard
+# answering), and the suite's machines have two cores.
+CONCURRENT_PAGES = 2
+
+
+def run_page(page: Path, sandbox: Path, cwd: Path) -> None:
+    """Every block of the page in order; the first failing command raises."""
     shutil.copytree(sandbox, cwd, symlinks=True)
     for block in blocks(page):
         if block.lang in SHELL_LANGS:
             check_block(block, cwd, page_env())
+
+
+@pytest.fixture(scope="module")
+def page_runs(request, sandbox: Path, tmp_path_factory) -> Iterator[dict[Path, Future[None]]]:
+    """The selected pages' runs, started at once on CONCURRENT_PAGES threads; each page's test
+    waits for its own (a page's failure is its test's)."""
+    test = test_every_shell_command_of_the_page_runs.__name__
+    wanted = [
+        item.callspec.params["page"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == test and item.module is request.module
+    ]
+    pool = ThreadPoolExecutor(CONCURRENT_PAGES, thread_name_prefix="docs-page")
+    runs = {
+        p: pool.submit(run_page, p, sandbox, tmp_path_factory.mktemp("page") / "work")
+        for p in wanted
+    }
+    try:
+        yield runs
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_shell_command_of_the_page_runs(page: Path, page_runs: dict[Path, Future[None]]):
+    page_runs[page].result()
 
 
 def test_every_command_is_run_or_excluded_and_every_exclusion_is_used():
