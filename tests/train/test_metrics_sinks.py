@@ -280,6 +280,7 @@ class RecordingClient:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.side: list[tuple] = []  # the planner's prediction and telemetry, not checked here
 
     def run_start(self, **kwargs) -> None:
         self.calls.append(("run_start", kwargs))
@@ -289,6 +290,12 @@ class RecordingClient:
 
     def checkpoint(self, info: dict) -> None:
         self.calls.append(("checkpoint", info))
+
+    def prediction(self, msg: dict) -> None:
+        self.side.append(("prediction", msg))
+
+    def telemetry(self, msg: dict) -> None:
+        self.side.append(("telemetry", msg))
 
     def run_end(self, status: str, error: str | None = None) -> None:
         self.calls.append(("run_end", status, error))
@@ -317,6 +324,7 @@ def test_failing_training_reports_run_end_failed(tmp_path, monkeypatch):
         train(cfg, stream=io.StringIO())
     kinds = [c[0] for c in fake.calls]
     assert kinds == ["run_start", "metrics", "metrics", "run_end", "close"]
+    assert [kind for kind, _ in fake.side][:1] == ["prediction"]  # sent once, at the start
     start = fake.calls[0][1]
     assert start["world_size"] == 1 and start["topology"] == {"dp": 1, "tp": 1, "pp": 1}
     assert start["config"]["tokens"]["train_steps"] == 3 and start["resumed_from"] is None
