@@ -7,7 +7,8 @@ is compute; the fit is the achievable fraction that makes the predicted step tim
 measured median `time_per_iteration_ms`: achievable = compute FLOPs / peak / (measured step
 time - predicted exposed communication - idle - optimizer). Records of the first step
 (start-up) are left out. Link bandwidths are not fitted from this file (it holds no per-kind
-communication times): they stay the device's.
+communication times): they stay the device's; calibrate_dashboard.py fits them from the run's
+per-rank telemetry on the dashboard.
 """
 
 from __future__ import annotations

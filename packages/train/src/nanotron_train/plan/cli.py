@@ -2,7 +2,7 @@
 
 Prints the fastest layouts that fit as a table, the `--override` flags of the best, and how
 many layouts do not fit (with what overflows); `--json` prints every layout instead. A user's
-error (config, device, numbers, metrics file) is one line and exit status 2.
+error (config, device, numbers, metrics file, the dashboard's run) is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ import sys
 
 from nanotron_train.config import ConfigError, load_config
 from nanotron_train.plan.calibrate import CalibrationError, calibrate
+from nanotron_train.plan.calibrate_dashboard import (
+    DashboardCalibrationError,
+    calibrate_from_dashboard,
+    is_url,
+)
 from nanotron_train.plan.devices import DeviceError, load_device
 from nanotron_train.plan.enumerate import Plan, plan
 
@@ -27,7 +32,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--world", type=int, required=True, help="ranks (GPUs) in all")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--device", default="h100", help="h100, h200, a100, b200, cpu or a YAML file")
-    ap.add_argument("--calibrate", metavar="METRICS.jsonl", help="fit the device from a run")
+    ap.add_argument(
+        "--calibrate",
+        metavar="METRICS.jsonl|URL",
+        help="fit the device from a run: its metrics file, or its dashboard page "
+        "http://HOST:PORT/runs/RUN_ID (token: NANOTRON_DASHBOARD_TOKEN)",
+    )
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="every layout as JSON")
     return ap.parse_args(argv)
@@ -86,17 +96,22 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--world, --gpus-per-node and --top must be >= 1")
         cfg = load_config(args.config_file, args.override)
         device = load_device(args.device)
-        if args.calibrate:
+        fitted: list[str] = []
+        if args.calibrate and is_url(args.calibrate):
+            device, fitted = calibrate_from_dashboard(device, cfg, args.calibrate)
+        elif args.calibrate:
             device = calibrate(device, cfg, args.calibrate)
         plans, refused = plan(cfg, device, args.world, args.gpus_per_node)
-    except (ConfigError, DeviceError, CalibrationError, ValueError, OSError) as exc:
+    except (ConfigError, DeviceError, CalibrationError, DashboardCalibrationError, ValueError,
+            OSError) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not plans:
         print(f"error: no layout of {args.world} ranks passes the config checks", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"device": device.__dict__, "layouts": [p.as_dict() for p in plans]}))
+        layouts = [p.as_dict() for p in plans]
+        print(json.dumps({"device": device.__dict__, "calibration": fitted, "layouts": layouts}))
     else:
-        print(report(plans, refused, device, args.top, cfg))
+        print("\n".join([*fitted, report(plans, refused, device, args.top, cfg)]))
     return 0

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from nanotron_models.families import family_of
@@ -35,6 +36,8 @@ class StepTime:
     optimizer: float
     comm_by_kind: dict[str, float]
     comm_bytes: dict[str, int]
+    # each kind's share of exposed_comm (--calibrate fits a link to the exposed parts it feeds)
+    exposed_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -66,14 +69,15 @@ def step_time(cfg, device: Device, gpus_per_node: int, params_rank: int) -> Step
         t = c.bytes * c.factor() / _bandwidth(device, c.intra_node(gpus_per_node))
         times[c.kind] = times.get(c.kind, 0.0) + t
         sizes[c.kind] = sizes.get(c.kind, 0) + c.bytes
-    exposed = sum(times.get(k, 0.0) * f for k, f in EXPOSED.items())
+    parts = {k: times.get(k, 0.0) * f for k, f in EXPOSED.items()}
     attention_share = 12 * mc.hidden_size * seq * mc.num_hidden_layers / per_token
     cp = times.get("cp", 0.0)
     ring = (par.cp_attention or "allgather") == "ring"
-    exposed += max(0.0, cp - attention_share * compute) if ring else cp
-    exposed += max(0.0, times.get("dp", 0.0) - compute * 2 / 3 / m)
+    parts["cp"] = max(0.0, cp - attention_share * compute) if ring else cp
+    parts["dp"] = max(0.0, times.get("dp", 0.0) - compute * 2 / 3 / m)
     if cfg.optimizer.zero_stage == 3:
-        exposed += max(0.0, times.pop("zero_gather", 0.0) - compute) - times.get("zero_gather", 0)
+        parts["zero_gather"] += max(0.0, times.pop("zero_gather", 0.0) - compute)
+    exposed = sum(parts.values())
     eng = engine(par.pp_engine)
     share = eng.planned_idle(par.pp, m, eng.chunks(par.pp_virtual_stages)) if par.pp > 1 else 0.0
     state_elems = params_rank / (
@@ -81,4 +85,4 @@ def step_time(cfg, device: Device, gpus_per_node: int, params_rank: int) -> Step
     )
     optimizer = 28 * state_elems / device.memory_bandwidth
     idle = (compute + exposed) * share / (1 - share) if share < 1 else float("inf")
-    return StepTime(compute, exposed, idle, optimizer, times, sizes)
+    return StepTime(compute, exposed, idle, optimizer, times, sizes, parts)
