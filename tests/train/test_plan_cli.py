@@ -16,7 +16,7 @@ from nanotron_train.config.checks import validate
 from nanotron_train.plan import memory
 from nanotron_train.plan.cli import main
 from nanotron_train.plan.devices import DEVICES
-from nanotron_train.plan.enumerate import predict, with_overrides
+from nanotron_train.plan.enumerate import _params_rank, predict, with_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-llama-cpu.yaml"
@@ -156,3 +156,30 @@ def test_routed_expert_parameters_match_the_built_experts():
     finally:
         pc.destroy()
     assert memory._routed_expert_parameters(mc) == built == 4 * 2 * mc.hidden_size * 48
+
+
+def test_busiest_pp2_rank_sends_and_zero3_gathers_hide_behind_compute(layouts):
+    """pp = 2: the busiest rank (both ends) still sends an activation or a gradient per
+    micro-batch; ZeRO-3's gathers are prefetched, so only what the compute cannot hide is
+    exposed (they were counted twice: in full and again past the compute)."""
+    from nanotron_train.plan.step_time import step_time
+
+    cfg = load_config(TINY)
+    pp2 = zero3 = 0
+    for lay in layouts:
+        c = validate(with_overrides(cfg, lay["overrides"]), "test", 4)
+        par = c.parallelism
+        chunks = 2 if par.pp_engine == "zbv" else max(1, par.pp_virtual_stages)
+        if par.pp == 2 and chunks == 1:
+            pp2 += 1
+            per_mb = c.tokens.micro_batch_size * c.tokens.sequence_length
+            per_mb = per_mb // par.context_parallel_size * c.model.model_config.hidden_size * 4
+            assert (
+                lay["comm_bytes_per_step"]["pp"] == per_mb * c.tokens.batch_accumulation_per_replica
+            )
+        if c.optimizer.zero_stage == 3 and par.dp * par.context_parallel_size > 1:
+            zero3 += 1
+            t = step_time(c, DEVICES["cpu"], 4, _params_rank(c))
+            hidden = max(0.0, t.comm_by_kind["zero_gather"] - t.compute)
+            assert t.exposed_by_kind["zero_gather"] == pytest.approx(hidden, rel=1e-12)
+    assert pp2 and zero3

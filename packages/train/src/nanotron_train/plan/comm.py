@@ -182,7 +182,9 @@ def _pp(cfg, s: _Step) -> list[Collective]:
     if par.pp == 1:
         return []
     chunks = 2 if par.pp_engine == "zbv" else max(1, par.pp_virtual_stages)
-    directions = 2 if chunks > 1 else (not s.last) + (not s.first)
+    # a rank of pp > 1 without chunks sends one way at least: the busiest rank of pp = 2
+    # (stage None, both ends) sends its activation or its gradient, equal in bytes
+    directions = 2 if chunks > 1 else max(1, (not s.last) + (not s.first))
     stride = par.tp * par.context_parallel_size * par.dp
     return [Collective("pp", "p2p", directions * s.T * s.h * s.e * chunks * s.m, par.pp, stride)]
 

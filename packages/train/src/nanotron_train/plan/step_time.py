@@ -76,7 +76,8 @@ def step_time(cfg, device: Device, gpus_per_node: int, params_rank: int) -> Step
     parts["cp"] = max(0.0, cp - attention_share * compute) if ring else cp
     parts["dp"] = max(0.0, times.get("dp", 0.0) - compute * 2 / 3 / m)
     if cfg.optimizer.zero_stage == 3:
-        parts["zero_gather"] += max(0.0, times.pop("zero_gather", 0.0) - compute)
+        # prefetched one block ahead: only what the compute cannot hide is exposed
+        parts["zero_gather"] = max(0.0, times.get("zero_gather", 0.0) - compute)
     exposed = sum(parts.values())
     eng = engine(par.pp_engine)
     share = eng.planned_idle(par.pp, m, eng.chunks(par.pp_virtual_stages)) if par.pp > 1 else 0.0
