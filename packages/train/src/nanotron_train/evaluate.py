@@ -244,8 +244,11 @@ def watch_main(args: argparse.Namespace) -> int:
     flags = None
     if args.tasks is not None:
         run = task_run(args)
-        flags = EvaluationArgs(run.tasks, run.include_path, None, run.limit, run.num_fewshot,
-                               run.batch_size, run.bootstrap_iters, "separate", args.pp or 1)  # fmt: skip
+        flags = EvaluationArgs(
+            tasks=run.tasks, include_path=run.include_path, limit=run.limit,
+            num_fewshot=run.num_fewshot, batch_size=run.batch_size,
+            bootstrap_iters=run.bootstrap_iters, mode="separate", pp=args.pp or 1,
+        )  # fmt: skip
     if not root.is_dir():
         print(f"error: --watch {root}: no such checkpoints folder", file=sys.stderr)
         return 2

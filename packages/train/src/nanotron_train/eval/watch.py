@@ -46,8 +46,7 @@ def settings_from_config(folder: Path) -> EvaluationArgs:
     from nanotron_train.config.loader import from_dict
 
     path = folder / "config.yaml"
-    raw = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    raw = raw if isinstance(raw, dict) else {}
+    raw = _train_config(folder)
     if isinstance(raw.get("evaluation"), dict):
         return from_dict(EvaluationArgs, raw["evaluation"], "evaluation", str(path))
     if isinstance(raw.get("lighteval"), dict):
