@@ -88,13 +88,16 @@ def cached_nanoset(
                 splits=splits, overwrite=overwrite,
             )  # fmt: skip
         except Exception as exc:
-            if barrier is not None:  # the others stop waiting and fail with this message
-                barrier(
-                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, DataError) else str(exc)
-                )
+            post_failure(barrier, exc)
             raise
     await_builder(folder, METADATA_FILE, barrier, is_builder, "data cache")
     return folder
+
+
+def post_failure(barrier: Callable[[str | None], str | None] | None, exc: Exception) -> None:
+    """The builder's failure posted on `barrier`: the others stop waiting and fail with it."""
+    if barrier is not None:
+        barrier(str(exc) if isinstance(exc, DataError) else f"{type(exc).__name__}: {exc}")
 
 
 def await_builder(

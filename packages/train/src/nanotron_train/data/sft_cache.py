@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanotron_train.data.cache import await_builder
+from nanotron_train.data.cache import await_builder, post_failure
 from nanotron_train.data.errors import DataError
 from nanotron_train.data.tokenizer import file_sha256
 
@@ -95,10 +95,7 @@ def cached_rows(
             _write(folder, rows, examples, cache.overwrite)
             built = True
         except Exception as exc:
-            if cache.barrier is not None:  # the others stop waiting and fail with this message
-                cache.barrier(
-                    str(exc) if isinstance(exc, DataError) else f"{type(exc).__name__}: {exc}"
-                )
+            post_failure(cache.barrier, exc)
             raise
     await_builder(folder, META_FILE, cache.barrier, cache.is_builder, "SFT data cache")
     rows, meta = _read(folder)
