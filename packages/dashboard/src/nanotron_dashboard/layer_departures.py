@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection
 
 from .heatmap import fetch
 from .layer_store import layer_stat_names
+from .messages import json_float
 
 MAX_LEAD, MAX_BASELINE = 16, 64
 MAD_TO_STD = 1.4826  # median absolute deviation -> standard deviation of a normal
@@ -86,11 +87,10 @@ def _baseline(values: np.ndarray, present: np.ndarray) -> tuple[np.ndarray, np.n
     return median, spread
 
 
-def _json_float(v: float) -> float | str | None:
-    """A number as the heatmap sends it: NaN and infinities as strings."""
-    if v is None or math.isfinite(v):
-        return v
-    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+def _json_float(v: float | None) -> float | str | None:
+    """A number as the heatmap sends it (NaN and infinities as strings); None stays null here,
+    where messages.json_float reads a stored NULL as NaN."""
+    return None if v is None else json_float(v)
 
 
 def _baseline_json(m: float) -> float | None:
