@@ -54,6 +54,10 @@ RUNTIME_BYTES = 4 * 2**20  # a process's own: gloo buffers, the data's, the allo
 TP_BYTES = 2 * 2**20  # per tp rank beyond the first: tensor-parallel buffers not counted above
 
 
+# the estimate's parts, in the order describe() and as_dict() give them
+_PARTS = ("parameters", "gradients", "optimizer", "activations", "logits", "workspace", "reserve")
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     parameters: int
@@ -78,14 +82,10 @@ class MemoryEstimate:
         return self.allocated + self.reserve
 
     def describe(self) -> str:
-        parts = ("parameters", "gradients", "optimizer", "activations", "logits", "workspace",
-                 "reserve")  # fmt: skip
-        return ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts) + " GiB"
+        return ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in _PARTS) + " GiB"
 
     def as_dict(self) -> dict[str, int]:
-        parts = ("parameters", "gradients", "optimizer", "activations", "logits", "workspace",
-                 "reserve")  # fmt: skip
-        return {p: getattr(self, p) for p in parts} | {
+        return {p: getattr(self, p) for p in _PARTS} | {
             "allocated": self.allocated,
             "total": self.total,
         }
