@@ -135,6 +135,7 @@ def expected_tokenizer(ckpt) -> tuple[str, str] | None:
 
 def run(args: argparse.Namespace, pc) -> dict:
     """Evaluate on every rank of `pc`; returns the report (the same on every rank)."""
+    from nanotron_train.eval.harness import run_tasks
     from nanotron_train.inference.model_io import load_model, open_checkpoint
 
     ckpt = open_checkpoint(args.ckpt_path, args.tokenizer)
@@ -148,22 +149,6 @@ def run(args: argparse.Namespace, pc) -> dict:
     if tasks.tasks:
         report.update(run_tasks(ckpt, model, tasks, args.output_path))
     return report
-
-
-def run_tasks(ckpt, model, run, output_path: str | None) -> dict:
-    """The harness's scores per task (and its whole result JSON at `output_path`)."""
-    from nanotron_train.eval.harness import build_lm, evaluate_tasks, scores, write_results
-    from nanotron_train.inference.model_io import load_tokenizer_of
-
-    lm = build_lm(ckpt, model, load_tokenizer_of(ckpt), run.batch_size)
-    results = evaluate_tasks(lm, run)
-    if results is None:  # not the reporting process
-        return {}
-    if output_path and model.pc.rank == 0:
-        pc = model.pc
-        where = {"checkpoint": str(ckpt.folder), "step": ckpt.step, "tp": pc.tp_size}
-        write_results({**results, "nanotron": {**where, "pp": pc.pp_size}}, output_path)
-    return {"tasks": scores(results), "n_samples": results.get("n-samples", {})}
 
 
 def measure_loss(model, pc, data, folders: list[str]) -> dict:

@@ -91,21 +91,19 @@ def first_line(exc: BaseException) -> str:
 def evaluate_checkpoint(folder: Path, pc, settings: EvaluationArgs) -> dict:
     """The score record of checkpoint `folder` (every rank of `pc` calls it; collective over
     its tp and pp groups). Raises what the loading or the harness raises."""
-    from nanotron_train.eval.harness import build_lm, evaluate_tasks, scores
-    from nanotron_train.inference.model_io import load_model, load_tokenizer_of, open_checkpoint
+    from nanotron_train.eval.harness import run_tasks
+    from nanotron_train.inference.model_io import load_model, open_checkpoint
 
     start = time.perf_counter()
     ckpt = open_checkpoint(folder)
     run = task_run(settings)
     model = load_model(ckpt, pc)
-    try:  # what `evaluate --tasks` runs (evaluate.run_tasks)
+    try:  # what `evaluate --tasks` runs; {} on a process that does not report
         with torch.no_grad():
-            lm = build_lm(ckpt, model, load_tokenizer_of(ckpt), run.batch_size)
-            results = evaluate_tasks(lm, run)
+            tasks = run_tasks(ckpt, model, run, None).get("tasks", {})
     finally:
         del model
         gc.collect()
-    tasks = scores(results) if results is not None else {}
     rec = score_record(ckpt.step, ckpt.metadata.get("consumed_tokens"), tasks)
     rec["eval/seconds"] = time.perf_counter() - start
     return rec

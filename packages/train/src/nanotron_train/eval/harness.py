@@ -135,6 +135,22 @@ def evaluate_tasks(lm, run: TaskRun) -> dict | None:
     return results
 
 
+def run_tasks(ckpt, model, run: TaskRun, output_path: str | None) -> dict:
+    """The harness's scores per task (and its whole result JSON at `output_path`): what
+    `evaluate --tasks` reports for a loaded checkpoint ({} on a process that does not report)."""
+    from nanotron_train.inference.model_io import load_tokenizer_of
+
+    lm = build_lm(ckpt, model, load_tokenizer_of(ckpt), run.batch_size)
+    results = evaluate_tasks(lm, run)
+    if results is None:  # not the reporting process
+        return {}
+    if output_path and model.pc.rank == 0:
+        pc = model.pc
+        where = {"checkpoint": str(ckpt.folder), "step": ckpt.step, "tp": pc.tp_size}
+        write_results({**results, "nanotron": {**where, "pp": pc.pp_size}}, output_path)
+    return {"tasks": scores(results), "n_samples": results.get("n-samples", {})}
+
+
 def scores(results: dict) -> dict[str, dict[str, float]]:
     """task -> {metric: value} from the harness's results (its `metric,filter` keys kept;
     aliases, the sample count and stderrs it could not compute ("N/A") dropped)."""
