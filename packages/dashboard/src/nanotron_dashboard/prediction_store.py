@@ -49,18 +49,17 @@ def store_prediction(conn: Connection, pk: int, m: Prediction) -> bool:
 def _intervals(conn: Connection, pk: int) -> list[dict[str, np.ndarray]]:
     """The newest intervals' columns by field name, the run's first one left out."""
     rows = conn.exec_driver_sql(
-        "SELECT step, n, vals, fields FROM rank_stats WHERE run_pk=? ORDER BY step DESC LIMIT ?",
+        "SELECT n, vals, fields FROM rank_stats WHERE run_pk=? ORDER BY step DESC LIMIT ?",
         (pk, MEASURED_INTERVALS + 1),
     ).fetchall()
-    first = conn.exec_driver_sql("SELECT MIN(step) FROM rank_stats WHERE run_pk=?", (pk,)).scalar()
+    # the oldest read: the run's first (start-up) when it read fewer than the limit, else one
+    # past the newest MEASURED_INTERVALS; a run's only interval is kept
     out = []
-    for step, n, vals, fields in rows:
-        if step == first and len(rows) > 1:
-            continue  # start-up
+    for n, vals, fields in rows[:-1] if len(rows) > 1 else rows:
         names = json.loads(fields) if fields else list(LEGACY_RANK_FIELDS)
         table = np.frombuffer(vals, dtype="<f8").reshape(n, len(names))
         out.append({name: table[:, i] for i, name in enumerate(names)})
-    return out[:MEASURED_INTERVALS]
+    return out
 
 
 def _mean(col: np.ndarray | None) -> float:
