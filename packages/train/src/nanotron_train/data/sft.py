@@ -152,23 +152,23 @@ def packed_rows(
 
     if cache is None:
         rows, examples = build()
+        top, labelled = int(rows["input_ids"].max(initial=0)), int(rows["label_mask"].sum())
         source = "tokenized"
     else:
         files = example_files(str(spec.hf_dataset_or_datasets))
         key = sft_cache_key(files, tokenizer.sha256, template, spec.debug_max_samples,
                             sequence_length, document_masking)  # fmt: skip
         rows, meta, built = cached_rows(cache, key, build)
-        examples = meta["examples"]
+        # sft.json's figures: no pass over the memory-mapped arrays for them
+        examples, top, labelled = meta["examples"], meta["max_token_id"], meta["labelled_tokens"]
         source = f"{'tokenized into' if built else 'read from'} {cache.cache_dir}/sft-{key}"
-    top = int(rows["input_ids"].max(initial=0))
     if top >= model_vocab_size:
         raise DataError(
             f"{where}: token id {top} is outside the model's vocab_size {model_vocab_size}"
         )
     logger.info(
         "data: %s: %d examples in %d rows of %d tokens, %d labelled (%s)",
-        where, examples, len(rows["input_ids"]), sequence_length,
-        int(rows["label_mask"].sum()), source,
+        where, examples, len(rows["input_ids"]), sequence_length, labelled, source,
     )  # fmt: skip
     return rows
 
