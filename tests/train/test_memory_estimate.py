@@ -15,6 +15,7 @@ import yaml
 
 from nanotron_train.config import config_from_dict, load_config
 from nanotron_train.config.memory_estimate import GIB, estimate, memory_error
+from nanotron_train.plan.memory import MemoryEstimate
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-llama-cpu.yaml"
@@ -152,3 +153,9 @@ def test_the_check_can_be_turned_off(eight_gib):
     assert "2.0 GiB (MemAvailable 8.0 GiB, shared by 4 ranks" in memory_error(
         load_config(TINY, ["tokens.sequence_length=256", "tokens.micro_batch_size=4096"]), cpu, 4
     )
+
+
+def test_the_largest_part_is_a_part_not_a_sum():
+    # parameters, gradients, optimizer, activations, logits, in_flight, workspace, reserve
+    e = MemoryEstimate(10 * GIB, 10 * GIB, 20 * GIB, 5 * GIB, 0, 1, GIB, GIB)
+    assert e.largest_part() == ("optimizer", 20 * GIB)  # not `allocated` (46 GiB), nor `total`

@@ -68,11 +68,10 @@ def _size(n: float) -> str:
 
 def _prediction(p: Plan) -> str:
     t = p.time
-    parts = {k: v for k, v in p.memory.as_dict().items() if k != "total"}
-    largest = max(parts, key=parts.__getitem__)
+    largest, size = p.memory.largest_part()
     return (
         f"peak {_size(p.memory.total)} on the worst rank (largest part: {largest} "
-        f"{_size(parts[largest])}); "
+        f"{_size(size)}); "
         f"step {t.total:.4g} s = compute {t.compute:.3g} + exposed communication "
         f"{t.exposed_comm:.3g} + pipeline idle {t.idle:.3g} + optimizer {t.optimizer:.3g}; "
         f"{p.tokens_per_s_per_device:.4g} tokens/s per device, MFU {p.mfu:.3f}"

@@ -113,7 +113,7 @@ def predict(cfg, device: Device, world: int, gpus_per_node: int) -> Plan:
     fits = mem.total / LOWEST_RATIO <= have
     overflow = ""
     if not fits:
-        biggest = max(mem.as_dict().items(), key=lambda kv: kv[1] if kv[0] != "total" else -1)
+        biggest = mem.largest_part()
         overflow = (
             f"needs {mem.total / 2**30:.1f} GiB (/ {LOWEST_RATIO} margin) of {have / 2**30:.1f} GiB "
             f"(largest part: {biggest[0]} {biggest[1] / 2**30:.1f} GiB)"

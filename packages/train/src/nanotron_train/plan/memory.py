@@ -84,6 +84,10 @@ class MemoryEstimate:
     def describe(self) -> str:
         return ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in _PARTS) + " GiB"
 
+    def largest_part(self) -> tuple[str, int]:
+        """The largest of the parts (never the sums `allocated` or `total`)."""
+        return max(((p, getattr(self, p)) for p in _PARTS), key=lambda kv: kv[1])
+
     def as_dict(self) -> dict[str, int]:
         return {p: getattr(self, p) for p in _PARTS} | {
             "allocated": self.allocated,
