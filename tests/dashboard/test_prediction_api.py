@@ -78,3 +78,21 @@ def test_a_bad_prediction_is_refused_with_its_field(c, change, reason):
     r = c.post("/api/ingest", content=json.dumps({**PREDICTION, "run_id": "pv-bad", **change}))
     assert r.status_code == 422 and reason in r.text, r.text
     assert c.get("/api/runs/pv-bad/prediction").json()["predicted"] is None
+
+
+def test_finite_numbers_whose_sum_or_ratio_overflows_give_no_ratio_not_a_500(c):
+    """Every stored number is finite, but a part's sum (tp + dp wait) or a ratio (a huge
+    prediction over a tiny measurement) can pass the largest float: no number, never a 500."""
+    start(c, "pv-huge")
+    post(c, {**PREDICTION, "run_id": "pv-huge", "optimizer_ms": 1e300})
+    for step in (10, 20, 30):
+        msg = td.rank_stats("pv-huge", step, n=4)
+        for r in msg["ranks"]:
+            r.update(tp_comm_ms=1.7e308, dp_wait_ms=1.7e308, optimizer_ms=1e-300)
+        post(c, msg)
+    r = c.get("/api/runs/pv-huge/prediction")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["measured"]["comm_ms"] is None and body["measured"]["optimizer_ms"] == 1e-300
+    assert body["compare"]["comm_ms"] == {"ratio": None, "off": False}
+    assert body["compare"]["optimizer_ms"] == {"ratio": None, "off": True}

@@ -62,10 +62,16 @@ def _intervals(conn: Connection, pk: int) -> list[dict[str, np.ndarray]]:
     return out
 
 
+def _finite(value: float) -> float | None:
+    """Finite stored numbers can still add up, or divide, past the largest float: no number."""
+    return value if math.isfinite(value) else None
+
+
 def _mean(col: np.ndarray | None) -> float:
     if col is None or np.isnan(col).all():
         return math.nan
-    return float(np.nanmean(col))
+    with np.errstate(over="ignore"):  # an overflowing sum is inf, dropped by _finite
+        return float(np.nanmean(col))
 
 
 def measured(conn: Connection, pk: int) -> dict[str, Any] | None:
@@ -80,7 +86,7 @@ def measured(conn: Connection, pk: int) -> dict[str, Any] | None:
             known = [v for v in means if not math.isnan(v)]
             per.append(sum(known) if known else math.nan)
         per = [v for v in per if not math.isnan(v)]
-        out[part] = float(np.median(per)) if per else None
+        out[part] = _finite(float(np.median(per))) if per else None
     mem = [np.nanmax(iv["mem_bytes"]) for iv in intervals if "mem_bytes" in iv]
     mem = [v for v in mem if not math.isnan(v)]
     out["memory_bytes"] = int(max(mem)) if mem else None
@@ -102,7 +108,7 @@ def compare(pred: dict[str, Any], meas: dict[str, Any] | None) -> dict[str, Any]
         elif m <= 0:
             rows[part] = {"ratio": None, "off": p > 0}
         else:
-            rows[part] = {"ratio": p / m, "off": abs(p - m) / m > OFF}
+            rows[part] = {"ratio": _finite(p / m), "off": abs(p - m) / m > OFF}
     return rows
 
 
