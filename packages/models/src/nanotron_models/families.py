@@ -293,6 +293,7 @@ QWEN3_NEXT = ModelFamily(
     nanotron_names=NanotronNames(LLAMA_NANOTRON_TOP_NAMES, QWEN3_NEXT_NANOTRON_LAYER_NAMES),
     yaml_marker="is_qwen3_next_config",
     layer_comm=qwen3_next_layer_comm,
+    moe_balance_over_cp=True,
 )
 
 FAMILIES: dict[str, ModelFamily] = {

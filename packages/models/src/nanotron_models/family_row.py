@@ -69,7 +69,8 @@ class ModelFamily:
     `layer_comm(config, tp, cp, cp_rank, batch, dtype)` -> per layer (residual blocks, each
     all-reducing over tp once each way; bytes a state-passing layer hands to the cp group per
     micro-batch, None for attention, 0 for none): the planner's communication model (None:
-    every layer an attention block and an MLP block).
+    every layer an attention block and an MLP block); `moe_balance_over_cp`: its MoE blocks sum
+    their load-balance statistics over the cp group (the planner counts those all-reduces).
     Architecture: `arch_keys`, the config fields that change the parameters or the maths (a
     checkpoint and a config, or an HF model and a config, must agree on them);
     `optional_arch_keys`, the same for features off by default, compared only when either
@@ -100,3 +101,4 @@ class ModelFamily:
     nanotron_names: NanotronNames
     yaml_marker: str = ""
     layer_comm: Callable[..., tuple[tuple[int, int | None], ...]] | None = None
+    moe_balance_over_cp: bool = False

@@ -131,7 +131,9 @@ def _cp(cfg, s: _Step) -> list[Collective]:
     n = attention * s.m
     out = [Collective("cp", "all_gather", round(state * s.m), cp, tp)] if state else []
     moe = getattr(mc, "moe_config", None)
-    if moe is not None and family_has_balance(cfg):
+    from nanotron_models.families import family_of
+
+    if moe is not None and family_of(mc).moe_balance_over_cp:
         layers = len(moe.moe_layers(mc.num_hidden_layers)) * s.layers // mc.num_hidden_layers
         out.append(
             Collective("cp", "all_reduce", 12 * (moe.num_experts + 1) * layers * s.m, cp, tp)
@@ -145,13 +147,6 @@ def _cp(cfg, s: _Step) -> list[Collective]:
     kv_heads *= cp // math.gcd(kv_heads, cp)
     qkvo = 2 * s.T * (2 * heads // tp + 2 * kv_heads) * head_dim * s.e
     return [*out, Collective("cp", "all_to_all", qkvo * n, cp, tp)]
-
-
-def family_has_balance(cfg) -> bool:
-    """Qwen3-Next's MoE sums its balance statistics over the cp group (counted there)."""
-    from nanotron_models.families import family_of
-
-    return family_of(cfg.model.model_config).name == "qwen3_next"
 
 
 def _ep(cfg, s: _Step, moe_layers: int) -> list[Collective]:
