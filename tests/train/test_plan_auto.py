@@ -14,6 +14,7 @@ import yaml
 
 from nanotron_parallel.testing import run_distributed, shared_default_group
 from nanotron_train.config import load_config
+from nanotron_train.config.errors import ConfigError
 from nanotron_train.plan.auto import choose, describe, local_device
 from nanotron_train.plan.cli import flags
 from tests.train.test_cli import small_config
@@ -78,29 +79,39 @@ def _too_big(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["--auto"], "with --auto"),  # --auto alone: no --override to name
+        (["--override", "tokens.train_steps=3", "--auto"], "with --override, --auto"),
+    ],
+)
 def test_nothing_fits_is_one_line_on_every_rank_and_from_the_launcher(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, given, named
 ):
+    """The line names the flags the user gave, and only those."""
     from nanotron_train import __main__ as entry
     from nanotron_train import launch
 
     big = str(_too_big(tmp_path))
+    with pytest.raises(ConfigError) as refused:  # the planner's own words for this model
+        choose(load_config(big, ["parallelism.auto=true"]), 2, 2, local_device(2))
+    expected = f"error: {big} ({named}): parallelism: {refused.value.detail}"
+    assert " layouts of 2 ranks fits " in expected and "needs " in expected
+    assert "\n" not in expected
     reported: list[str] = []
     monkeypatch.setattr(entry, "_report", reported.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
-        assert entry.main(["--config-file", big, "--auto"]) == 2
-    assert len(reported) == 2 and reported[0] == reported[1]
-    line = reported[0]
-    assert line.startswith(f"error: {big} (with --override): parallelism: auto: none of the ")
-    assert " layouts of 2 ranks fits " in line and "needs " in line and "\n" not in line
+        assert entry.main(["--config-file", big, *given]) == 2
+    assert reported == [expected, expected]
     capsys.readouterr()
     monkeypatch.delenv("RANK")
-    assert launch.main(["--nproc_per_node=2", "--config-file", big, "--auto"]) == 2
+    assert launch.main(["--nproc_per_node=2", "--config-file", big, *given]) == 2
     captured = capsys.readouterr()
-    assert captured.err == line + "\n" and captured.out == ""
+    assert captured.err == expected + "\n" and captured.out == ""
 
 
 @pytest.mark.parametrize("text", ["parallelism: auto", "parallelism: AUTO"])

@@ -41,6 +41,15 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+def source_of(args: argparse.Namespace) -> str:
+    """The config's name in a run's errors and warnings: its file and the flags given."""
+    from nanotron_train.config.training_inputs import config_source
+
+    given = (("--override", args.override), ("--auto", getattr(args, "auto", False)),
+             ("--resume", args.resume))  # fmt: skip
+    return config_source(args.config_file, [flag for flag, value in given if value])
+
+
 def add_trainer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-file", required=True, help="the YAML training config")
     parser.add_argument(
@@ -88,13 +97,11 @@ def _warner(rank: int) -> Callable[[str], None] | None:
     return lambda line: print(line, file=sys.stderr, flush=True)
 
 
-def _auto_layout(cfg, world_size: int, args: argparse.Namespace, rank: int):
+def _auto_layout(cfg, world_size: int, source: str, rank: int):
     """parallelism: auto: the planner's layout; rank 0 prints why (unless
     nanotron_train.launch printed it before starting the workers)."""
-    from nanotron_train.config.training_inputs import config_source
     from nanotron_train.plan.auto import SHOWN_ENV, resolve
 
-    source = config_source(args.config_file, overrides_of(args))
     cfg, block = resolve(cfg, world_size, source=source)
     if block and rank == 0 and not os.environ.get(SHOWN_ENV):
         print(block, flush=True)
@@ -107,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     watch_launcher()  # a torchrun worker exits when torchrun dies (fault/launcher.py)
     try:
-        cfg = load_config(args.config_file, overrides_of(args), world_size=world_size)
-        cfg = _auto_layout(cfg, world_size, args, rank)
-        cfg = prepare_for_training(cfg, args.config_file, overrides_of(args), _warner(rank))
+        source = source_of(args)
+        cfg = load_config(args.config_file, overrides_of(args), world_size, source)
+        cfg = _auto_layout(cfg, world_size, source, rank)
+        cfg = prepare_for_training(cfg, source, _warner(rank))
         from nanotron_train.reporting.metrics import check_optional_sinks
         from nanotron_train.trainer import train
 

@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from nanotron_train.__main__ import QUIET_ENV, add_trainer_args, overrides_of
+from nanotron_train.__main__ import QUIET_ENV, add_trainer_args, overrides_of, source_of
 from nanotron_train.fault.forward_signals import SignalForwarder
 
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
     from nanotron_train.config.load import load_config
-    from nanotron_train.config.training_inputs import config_source, prepare_for_training
+    from nanotron_train.config.training_inputs import prepare_for_training
 
     ours = argparse.ArgumentParser(add_help=False)
     add_trainer_args(ours)
@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         forwarded.append("--auto")
     args = get_args_parser().parse_args([*torchrun_args, "-m", "nanotron_train", *forwarded])
     try:
-        cfg = load_config(mine.config_file, overrides_of(mine), _world_size(args))
-        cfg = _auto_layout(cfg, args, config_source(mine.config_file, overrides_of(mine)))
-        prepare_for_training(cfg, mine.config_file, overrides_of(mine), warn=_print)  # data
+        source = source_of(mine)
+        cfg = load_config(mine.config_file, overrides_of(mine), _world_size(args), source)
+        cfg = _auto_layout(cfg, args, source)
+        prepare_for_training(cfg, source, warn=_print)  # data
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -65,9 +65,16 @@ def _token_ids_default_to_the_tokenizers(data: dict[str, Any]) -> dict[str, Any]
 
 
 def load_config(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
+    path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    world_size: int | None = None,
+    source: str | None = None,
 ) -> Config:
-    """Read a YAML config file, apply `section.key=value` overrides, type-check and validate."""
+    """Read a YAML config file, apply `section.key=value` overrides, type-check and validate.
+    `source`: the config's name in errors once overrides are applied (a command line names
+    the flags it was given: training_inputs.config_source); by default the file, with
+    "(with --override)" when there are overrides."""
+    named = source
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -86,7 +93,9 @@ def load_config(
     data = _auto_layout(data)  # before overrides, which may set keys of the section
     for assignment in overrides:
         apply_override(data, assignment)
-    if overrides:
+    if named is not None:
+        source = named
+    elif overrides:
         source = f"{source} (with --override)"
     return config_from_dict(data, source, world_size)
 

@@ -20,24 +20,24 @@ call `prepare_for_training` right after loading the config:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from nanotron_train.config.errors import ConfigError
 
 
-def config_source(config_file: str, overrides: list[str] | tuple[str, ...]) -> str:
-    """The name load_config gives the config in its errors."""
-    return f"{config_file} (with --override)" if overrides else str(config_file)
+def config_source(config_file: str, flags: Sequence[str] = ()) -> str:
+    """The name a run's errors and warnings give its config: the file, and the command-line
+    flags that changed it, e.g. `c.yaml (with --override, --auto)`. Named flag by flag:
+    --auto and --resume are overrides underneath, but a line must not name one not given."""
+    return f"{config_file} (with {', '.join(flags)})" if flags else str(config_file)
 
 
-def prepare_for_training(
-    cfg: Any, config_file: str, overrides=(), warn: Callable[[str], None] | None = None
-) -> Any:
-    """`cfg` with absolute input paths, checked (ConfigError naming the key and the file);
-    `warn` gets each warning line (none are made without it)."""
-    source = config_source(config_file, overrides)
+def prepare_for_training(cfg: Any, source: str, warn: Callable[[str], None] | None = None) -> Any:
+    """`cfg` with absolute input paths, checked (ConfigError naming the key and `source`, the
+    config's name from config_source); `warn` gets each warning line (none are made without
+    it)."""
     tok = cfg.tokenizer
     if tok.tokenizer_name_or_path and Path(tok.tokenizer_name_or_path).expanduser().exists():
         tok.tokenizer_name_or_path = _absolute(tok.tokenizer_name_or_path)
