@@ -180,8 +180,8 @@ def test_the_cycle_finder_sees_direct_indirect_and_type_only_cycles(tmp_path: Pa
 FAMILY_MODULES = {
     f"nanotron_models.{m}"
     for m in (
-        "config", "qwen2", "blocks", "model", "init", "flops", "kv_cache", "nanotron_names",
-        "hf", "hf_qwen2", "hf_qwen2_moe", "hf_mixtral", "hf_llama_family",
+        "config", "qwen2", "blocks", "attention_layer", "model", "init", "flops", "kv_cache",
+        "nanotron_names", "hf", "hf_qwen2", "hf_qwen2_moe", "hf_mixtral", "hf_llama_family",
         # the Mamba-2 / hybrid family (its layers reuse the Llama family's attention and norm)
         "mamba2_hybrid", "mamba2_hybrid.config", "mamba2_hybrid.spec", "mamba2_hybrid.layers",
         "mamba2_hybrid.stage", "mamba2_hybrid.hf", "mamba2_hybrid.decode_state",
