@@ -44,7 +44,9 @@ class Collective:
 @dataclass(frozen=True)
 class _Step:
     """What the formulas read: T tokens per micro-batch on the rank, h, e bytes per element,
-    m micro-batches, the rank's layers and whether it holds the embedding / the loss."""
+    m micro-batches, the rank's layers and whether it holds the embedding / the loss; those
+    layers' tp blocks per layer, attention layers and cp state-passing bytes per micro-batch
+    (_layers: read once per layout, by both _tp and _cp)."""
 
     T: int
     h: int
@@ -53,11 +55,14 @@ class _Step:
     layers: int
     first: bool
     last: bool
+    blocks: float
+    attention: int
+    state: float
 
 
-def _layers(cfg, s: _Step) -> tuple[float, int, float]:
+def _layers(cfg, layers: int) -> tuple[float, int, float]:
     """(tp blocks per layer, attention layers, cp state-passing bytes per micro-batch) of the
-    rank's layers, from the family row's `layer_comm` (the mean over the model's layers:
+    rank's `layers`, from the family row's `layer_comm` (the mean over the model's layers:
     exact at pp = 1); without one, every layer an attention block and an MLP block."""
     from nanotron_models.config import DTYPES
     from nanotron_models.families import family_of
@@ -65,10 +70,10 @@ def _layers(cfg, s: _Step) -> tuple[float, int, float]:
     mc, par = cfg.model.model_config, cfg.parallelism
     layer_comm = family_of(mc).layer_comm
     if layer_comm is None:
-        return 2.0, s.layers, 0.0
+        return 2.0, layers, 0.0
     rows = layer_comm(mc, par.tp, par.context_parallel_size, 0, cfg.tokens.micro_batch_size,
                       DTYPES[cfg.model.dtype])  # fmt: skip
-    share = s.layers / len(rows)
+    share = layers / len(rows)
     blocks = sum(b for b, _ in rows) / len(rows)
     attention = round(sum(c is None for _, c in rows) * share)
     return blocks, attention, sum(c or 0 for _, c in rows) * share
@@ -88,7 +93,7 @@ def _tp(cfg, s: _Step) -> list[Collective]:
     par = cfg.parallelism
     if par.tp == 1:
         return []
-    blocks, _, _ = _layers(cfg, s)
+    blocks = s.blocks
     the, r = s.T * s.h * s.e, int(par.recompute_layer)
     ends = s.first + s.last
     if par.tp_mode == "ALL_REDUCE":
@@ -125,7 +130,7 @@ def _cp(cfg, s: _Step) -> list[Collective]:
     if cp == 1:
         return []
     heads, n_kv, head_dim = _attention_dims(mc)
-    _, attention, state = _layers(cfg, s)
+    attention, state = s.attention, s.state
     kv = 2 * s.T * n_kv * head_dim // tp * s.e
     mode = par.cp_attention or "allgather"
     n = attention * s.m
@@ -213,6 +218,7 @@ def collectives(
     par, tok = cfg.parallelism, cfg.tokens
     eng = engine(par.pp_engine)
     loss_rank = eng.last_stage_rank(par.pp, eng.chunks(par.pp_virtual_stages))
+    blocks, attention, state = _layers(cfg, layers_rank)
     s = _Step(
         T=tok.micro_batch_size * tok.sequence_length // par.context_parallel_size,
         h=cfg.model.model_config.hidden_size,
@@ -221,6 +227,9 @@ def collectives(
         layers=layers_rank,
         first=stage is None or stage == 0,
         last=stage is None or stage == loss_rank,
+        blocks=blocks,
+        attention=attention,
+        state=state,
     )
     if stage is None and par.pp > 2:
         s = dataclasses.replace(s, first=False, last=False)  # a middle rank: both directions
