@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron_parallel.grid import ParallelConfigError
+from nanotron_parallel.tensor_parallel import cpu_gemm
 from nanotron_parallel.tensor_parallel.functional import all_reduce_
 from nanotron_parallel.tensor_parallel.weight_grad import defer, fuses_accumulation
 
@@ -50,7 +51,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for r0 in range(0, hidden.shape[0], rows):
             h = hidden[r0 : r0 + rows]
             w = token_weights[r0 : r0 + rows]
-            logits = (h @ weight.t()).float()  # fp32 weights: the matmul output itself
+            logits = cpu_gemm.linear(h, weight).float()  # fp32 weights: the matmul output itself
             if padding is not None:
                 logits.masked_fill_(padding, float("-inf"))
             row_max = all_reduce_(logits.amax(dim=-1), group, dist.ReduceOp.MAX)
@@ -78,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits.mul_(scale.unsqueeze(-1))
             logits.scatter_add_(-1, local, (-(w * mine)).unsqueeze(-1))
             g = logits.to(weight.dtype)
-            torch.mm(g, weight, out=grad_hidden[r0 : r0 + rows])
+            grad_hidden[r0 : r0 + rows] = cpu_gemm.input_grad(g, weight)
             if grad_weight is None:
                 grad_weight = torch.mm(g.t(), h).float()
             elif weight.dtype == torch.float32:

@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from nanotron_parallel.tensor_parallel import cpu_gemm
+
 Job = tuple[Sequence[torch.Tensor], Callable[[], Sequence[torch.Tensor | None]]]
 
 
@@ -147,12 +149,12 @@ class _SplitLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight, bias)
         ctx.params = (weight,) if bias is None else (weight, bias)  # see `defer`
-        return F.linear(x, weight, bias)
+        return cpu_gemm.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, bias = ctx.saved_tensors
-        grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_x = cpu_gemm.input_grad(grad_y, weight) if ctx.needs_input_grad[0] else None
         has_bias = bias is not None
 
         def compute():
@@ -174,12 +176,12 @@ class _FusedAccumulationLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         (ctx.param,), ctx.has_bias = param_box, bias is not None
         ctx.bias_params = () if bias is None else (bias,)  # see `defer`
-        return F.linear(x, weight, bias)
+        return cpu_gemm.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_x = cpu_gemm.input_grad(grad_y, weight) if ctx.needs_input_grad[0] else None
         flat_grad_y = _flat(grad_y)
 
         def compute():  # the weight's gradient accumulated; the bias's returned
@@ -204,7 +206,7 @@ def split_linear(
     buffer behind the weight, its gradient is accumulated there by the backward's matmul
     itself. Compiled regions keep F.linear."""
     if not torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
+        return cpu_gemm.linear(x, weight, bias)
     if fuses_accumulation(weight, fuse_accumulation, "accumulate_grad_product"):
         # No autograd edge to the parameter (detached, and boxed: a tensor argument would be
         # one): its gradient never passes through autograd.
