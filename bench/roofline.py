@@ -9,7 +9,9 @@ with replays of those GEMMs alone, so that the machine's drift hits both alike. 
     model FLOP/s   = training FLOPs of a step (6N + attention, as the metrics record counts)
                      / the median step's wall time
     GEMM FLOP/s    = the step's GEMM FLOPs / the replay's wall time (each shape weighted by
-                     its share of the FLOPs)
+                     its share of the FLOPs): the faster of two replays, the GEMMs as the
+                     step runs them (oneDNN's linears included) and the same GEMMs with
+                     those linears through torch's BLAS
     ratio          = model FLOP/s / GEMM FLOP/s   (1.0: the step runs as fast as its
                      matmuls alone would; attention's FLOPs count in the numerator, so a
                      step could exceed 1 only if attention ran faster than the GEMMs)
@@ -131,20 +133,24 @@ def measure(model: str, dp: int, tp: int, args) -> dict:
         capture = GemmCapture()
         with capture:
             loop.step()
-        replay = GemmReplay(capture.calls)
-        replay.seconds()  # its tensors' first touch
+        replays = (GemmReplay(capture.calls), GemmReplay(capture.calls, blas=True))
+        for replay in replays:
+            replay.seconds()  # its tensors' first touch
         rounds = []
         for _ in range(args.rounds):
             step_s = statistics.median(loop.step() for _ in range(args.steps))
-            gemm_s = statistics.median(replay.seconds() for _ in range(args.replays))
-            rounds.append((step_s, gemm_s))
+            # the step's GEMMs as it runs them, and through torch's BLAS: the faster counts
+            as_run, blas = (
+                statistics.median(r.seconds() for _ in range(args.replays)) for r in replays
+            )
+            rounds.append((step_s, min(as_run, blas), as_run, blas))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             wall = sum(loop.step() for _ in range(args.profiled))
         split, counts = split_profile(prof.events(), args.profiled, wall)
         loop.tr.close()
     pc.destroy()
-    return {"rounds": rounds, "flops": loop.flops, "gemm_flops": replay.flops,
-            "split": split, "counts": counts, "shapes": replay.shapes}  # fmt: skip
+    return {"rounds": rounds, "flops": loop.flops, "gemm_flops": replays[0].flops,
+            "split": split, "counts": counts, "shapes": replays[0].shapes}  # fmt: skip
 
 
 def report(model: str, dp: int, tp: int, got: dict, args) -> None:
@@ -154,12 +160,12 @@ def report(model: str, dp: int, tp: int, got: dict, args) -> None:
           f"{m['mbs']} x {m['accum']}, tied {m['tied']}, fp32, AdamW, clip 1.0; dp={dp} tp={tp}, "
           f"{args.threads} threads in all")  # fmt: skip
     ratios = []
-    for i, (step_s, gemm_s) in enumerate(got["rounds"]):
+    for i, (step_s, gemm_s, as_run, blas) in enumerate(got["rounds"]):
         model_fs, gemm_fs = got["flops"] / step_s, got["gemm_flops"] / gemm_s
         ratios.append(model_fs / gemm_fs)
         print(f"round {i}: step {1e3 * step_s:7.1f} ms  model {model_fs / 1e9:6.1f} GFLOP/s  "
-              f"GEMMs alone {1e3 * gemm_s:7.1f} ms = {gemm_fs / 1e9:6.1f} GFLOP/s  "
-              f"ratio {ratios[-1]:.3f}")  # fmt: skip
+              f"GEMMs alone {1e3 * gemm_s:7.1f} ms = {gemm_fs / 1e9:6.1f} GFLOP/s (as run "
+              f"{1e3 * as_run:.1f}, BLAS {1e3 * blas:.1f})  ratio {ratios[-1]:.3f}")  # fmt: skip
     print(f"GEMM FLOPs per step {got['gemm_flops'] / 1e9:.2f} G of model FLOPs "
           f"{got['flops'] / 1e9:.2f} G; {sum(got['shapes'].values())} GEMM calls, "
           f"{len(got['shapes'])} distinct shapes")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Two host-side costs of a training step, each against its absence in the same run.
+"""Host-side costs and kernel choices of a training step, each against its absence in one run.
 
 - Gradient-accumulation fusion: the linears' weight gradients computed into the gradient
   buffers by their backward's matmul (tensor_parallel/weight_grad.py), against autograd's
@@ -8,6 +8,9 @@
   the fused lm_head-and-loss's ready gradient scaled into its buffer, against autograd's
   table-sized gradients (a zero fill, an in-place scaling, a copy or add). Alternated step
   by step (`fuse_grad_accumulation` toggled on the two layers).
+- oneDNN GEMMs: the linears' forward and input-gradient GEMMs through oneDNN's matmul
+  (tensor_parallel/cpu_gemm.py) against the BLAS behind `F.linear`, alternated step by step
+  (`cpu_gemm.enabled` toggled).
 - Kept host memory: the trainer's glibc thresholds (nanotron_train/host_memory.py) against
   glibc's defaults, in fresh processes alternated (`--processes` pairs; the machine's speed
   drifts between minutes): step time and minor page faults per step, medians over processes.
@@ -84,8 +87,17 @@ def _fuse_tables(model, on: bool) -> None:
     model.lm_head.fuse_grad_accumulation = on
 
 
+def _onednn_gemms(model, on: bool) -> None:
+    from nanotron_parallel.tensor_parallel import cpu_gemm
+
+    cpu_gemm.enabled = on
+
+
+TOGGLES = {"linears": _fuse_linears, "tables": _fuse_tables, "onednn": _onednn_gemms}
+
+
 def measure_fusion(which: str, threads: int, warmup: int, steps: int) -> dict:
-    toggle = {"linears": _fuse_linears, "tables": _fuse_tables}[which]
+    toggle = TOGGLES[which]
     torch.set_num_threads(threads)
     tr, pc = _trainer(keep_memory=True)
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -125,6 +137,11 @@ def main() -> None:
             f"{1e3 * fusion[False]:.1f} ms through autograd, "
             f"ratio {fusion[True] / fusion[False]:.3f}"
         )
+    gemms = run_distributed(measure_fusion, 1, "onednn", *a, timeout=1800)[0]
+    print(
+        f"oneDNN GEMMs (forward and input gradient): step {1e3 * gemms[True]:.1f} ms, "
+        f"{1e3 * gemms[False]:.1f} ms through the BLAS, ratio {gemms[True] / gemms[False]:.3f}"
+    )
     runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for i in range(2 * args.processes):  # fresh processes, alternated: kept, default, ...
         keep = i % 2 == 0

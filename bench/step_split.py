@@ -3,10 +3,11 @@ the split of a profiled step into matmul, attention, other ops, optimizer, commu
 host time.
 
 The GEMMs are captured with a TorchDispatchMode during one step: every `mm`, `addmm`,
-`addmm_`, `bmm` and `baddbmm` call with its tensors' shapes and strides (a transposed operand
-stays transposed) and its other arguments. `GemmReplay` runs the same calls, in the step's
-order, on tensors of the same layouts: the machine's matmul throughput for the step's own
-shapes, each weighted by its share of the FLOPs.
+`addmm_`, `bmm`, `baddbmm` and oneDNN linear (`mkldnn::_linear_pointwise`) call with its
+tensors' shapes and strides (a transposed operand stays transposed) and its other arguments.
+`GemmReplay` runs the same calls, in the step's order, on tensors of the same layouts: the
+machine's matmul throughput for the step's own shapes, each weighted by its share of the
+FLOPs; `GemmReplay(calls, blas=True)` runs the oneDNN linears through torch's BLAS instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-GEMMS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
+GEMMS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "_linear_pointwise")
+# oneDNN's linear (tensor_parallel/cpu_gemm.py): X [..., k] W^T with W [n, k]
+LINEAR = "_linear_pointwise"
 OPTIMIZER_RANGE = "roofline.optimizer"  # the bench wraps norm, clip and the step in it
 STEP_RANGE = "roofline.step"
 # The frameworks' own ranges around each collective and its wait (a blocking gloo call waits
@@ -37,11 +40,20 @@ class TensorSpec:
 def _spec(x):
     if isinstance(x, torch.Tensor):
         return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, list):  # oneDNN's linear takes a list of scalars: kept hashable
+        return tuple(x)
     return x
 
 
 def gemm_flops(name: str, args: tuple) -> int:
-    """2 x multiply-adds of one call (the operands are the last two tensor arguments)."""
+    """2 x multiply-adds of one call (the operands are the last two tensor arguments; oneDNN's
+    linear: the first two, X and W)."""
+    if name == LINEAR:
+        x, w = args[0], args[1]
+        rows = 1
+        for n in x.shape[:-1]:
+            rows *= n
+        return 2 * rows * x.shape[-1] * w.shape[0]
     a, b = [x for x in args if isinstance(x, TensorSpec)][-2:]
     if name in ("bmm", "baddbmm"):
         return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
@@ -65,6 +77,8 @@ class GemmCapture(TorchDispatchMode):
 
 
 def _make(x, cache: dict):
+    if isinstance(x, tuple):
+        return list(x)
     if not isinstance(x, TensorSpec):
         return x
     if x not in cache:  # one tensor per layout, reused: like the step, inputs of this size
@@ -74,15 +88,25 @@ def _make(x, cache: dict):
     return cache[x]
 
 
-class GemmReplay:
-    """The captured GEMMs of one step, runnable alone, in the step's order."""
+def _through_blas(func, args: tuple) -> tuple:
+    """oneDNN's linear as F.linear (torch's BLAS) on the same tensors; other calls as they are."""
+    if func.overloadpacket.__name__ == LINEAR:
+        return torch.ops.aten.linear.default, args[:3]
+    return func, args
 
-    def __init__(self, calls: list[tuple]) -> None:
+
+class GemmReplay:
+    """The captured GEMMs of one step, runnable alone, in the step's order; with `blas`, the
+    oneDNN linears (tensor_parallel/cpu_gemm.py) replayed through torch's BLAS instead."""
+
+    def __init__(self, calls: list[tuple], blas: bool = False) -> None:
         cache: dict = {}
-        self.calls = [
-            (func, tuple(_make(a, cache) for a in args), {k: _make(v, cache) for k, v in kw})
-            for func, args, kw in calls
-        ]
+        self.calls = []
+        for func, args, kw in calls:
+            made = tuple(_make(a, cache) for a in args)
+            if blas:
+                func, made = _through_blas(func, made)
+            self.calls.append((func, made, {k: _make(v, cache) for k, v in kw}))
         self.flops = sum(gemm_flops(f.overloadpacket.__name__, a) for f, a, _ in calls)
         self.shapes = Counter((f.overloadpacket.__name__, a) for f, a, _ in calls)
 
@@ -97,7 +121,7 @@ class GemmReplay:
 def _category(name: str) -> str:
     if name.startswith(("c10d::", "gloo:")) or "record_param_comms" in name:
         return "communication"
-    short = name.removeprefix("aten::")
+    short = name.removeprefix("aten::").removeprefix("mkldnn::")
     if short in GEMMS or short == "_addmm_activation":
         return "matmul"
     if (
@@ -137,7 +161,8 @@ def split_profile(events, steps: int, wall_s: float) -> tuple[dict[str, float], 
         if ev.name.startswith(COMM_RANGES) and not _counted_above(ev):
             cats["communication"] += ev.cpu_time_total / 1e6
             continue
-        is_op = ev.name.startswith(("aten::", "c10d::", "gloo:")) or "record_param" in ev.name
+        is_op = ev.name.startswith(("aten::", "mkldnn::", "c10d::", "gloo:"))
+        is_op = is_op or "record_param" in ev.name
         if not is_op:
             continue
         counts[ev.name] += 1
