@@ -216,6 +216,8 @@ def test_a_span_kind_the_page_never_heard_of_is_drawn_in_its_own_colour(browser,
 
 
 def test_tags_round_trip_and_run_list_badges(browser, seeded, shots):
+    from playwright.sync_api import expect  # as conftest: only where a browser runs
+
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     # editing writes: the server has credentials (a launch token), so the page signs in
     page.goto(seeded.url + f"/runs/{RUN}?token={LAUNCH_TOKEN}")
@@ -248,10 +250,11 @@ def test_tags_round_trip_and_run_list_badges(browser, seeded, shots):
     }
     assert badges["straggler"] == ("straggler 1", "badge ev warning")
     assert badges["nonfinite_loss"] == ("nonfinite_loss 1", "badge ev critical")
-    red = row.locator('.badge[data-kind="nonfinite_loss"]').evaluate(
-        "(e) => getComputedStyle(e).backgroundColor"
-    )
-    assert red == "rgb(224, 30, 90)"  # critical stands out
+    # critical stands out. Read in one step with the element it finds: the list re-renders
+    # its rows (when /ws/runs opens, every 5 s, on each message), and a badge replaced between
+    # finding it and reading it (locator.evaluate) has no computed style: "".
+    red = row.locator('.badge[data-kind="nonfinite_loss"]')
+    expect(red).to_have_css("background-color", "rgb(224, 30, 90)")
     assert row.locator(".tag").all_inner_texts() == ["baseline", "exp:1"]
     page.locator('tr[data-run-id="other"]').wait_for()
     # live: an event stored now shows its badge without a reload
