@@ -10,12 +10,12 @@ The step never waits for the device: the loss and the gradient norm stay device 
 clipping is computed on the device. Only a logged step (every iteration_step_info_interval)
 reads them on the host, and its time per iteration is the mean over the steps since the last
 logged one. Everything a checkpoint needs lives in one `TrainState` (checkpoints/hooks.py
-saves and restores it).
+saves and restores it). The loop over the steps and what follows each step (records, logging,
+evaluation, checkpoints) are trainer_loop.py's `TrainingLoop`, which `Trainer` inherits.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from collections.abc import Callable
@@ -47,24 +47,24 @@ from nanotron_train.lr_schedule import build_lr_schedule
 from nanotron_train.model_factory import build_stage_chunks, padded_model_config
 from nanotron_train.optimizer import build_optimizer
 from nanotron_train.parallelize import parallelize
-from nanotron_train.reporting.benchmark_csv import append_row, benchmark_row
 from nanotron_train.reporting.dashboard_sink import checkpoint_run_id
 from nanotron_train.reporting.layer_stats import build_layer_stats
 from nanotron_train.reporting.log_levels import configure_logging, prints_step_lines
 from nanotron_train.reporting.metrics import MetricsLogger, build_metrics_logger
 from nanotron_train.reporting.moe_metrics import build_moe_metrics
 from nanotron_train.reporting.profiling import StepProfiler
-from nanotron_train.reporting.record import StepTimer
 from nanotron_train.step_record import StepRecorder
 from nanotron_train.telemetry.samples import SampleMaker
 from nanotron_train.telemetry.session import Telemetry
 from nanotron_train.train_state import StepOutput, TrainState
+from nanotron_train.trainer_loop import TrainingLoop
 
 BACKEND_TIMEOUT_MARGIN_S = 30.0
 
 
-class Trainer:
-    """Holds the parallel context, the TrainState and the per-step machinery."""
+class Trainer(TrainingLoop):
+    """Holds the parallel context, the TrainState and the per-step machinery; the loop over
+    the steps (`train`) and what follows each step are TrainingLoop's (trainer_loop.py)."""
 
     def __init__(self, cfg: Config, pc: ParallelContext, stream: TextIO | None = None) -> None:
         self.cfg, self.pc = cfg, pc
@@ -181,13 +181,7 @@ class Trainer:
         step = s.step + 1
         self.profiler.begin_step()
         with tm.span("data", host=True):
-            micro_batches = s.data.micro_batches(step + s.data_step_offset)
-            # SFT: the loss is token-weighted over the global batch (data/token_weighting.py)
-            self.records.add_labelled(weigh_by_labelled_tokens(micro_batches, pc))
-            micro_batches = [  # under context parallel, this cp rank's two chunks of each sequence
-                {k: v.to(pc.device) for k, v in split_batch(mb, pc.cp_rank, pc.cp_size).items()}
-                for mb in micro_batches
-            ]
+            micro_batches = self._micro_batches(step)
         self.grads.zero_grad()
         # expert loads and balance losses of this step's micro-batches only, weighed as each
         # micro-batch's lm loss
@@ -233,19 +227,36 @@ class Trainer:
         if detail:
             self.layer_stats.after_update()
         if not cfg.general.ignore_sanity_checks:  # opt-in debugging: syncs every step
-            with self.grads.full_parameters():
-                dense = [(n, p) for n, p in self.named_params if not is_expert_param(p)]
-                check_dp_replicas(dense, pc.dp_cp_group, pc.dp_cp_size, step)
-                experts = [(n, p) for n, p in self.named_params if is_expert_param(p)]
-                check_dp_replicas(experts, pc.edp_cp_group, pc.edp_cp_size, step)  # same ep
-                if not self.tied.copies_equal():
-                    raise SanityCheckError(f"step {step}: tied parameter copies disagree")
+            self._check_replicas(step)
         seq = cfg.sequence_length_at(step + s.data_step_offset)  # data stages may change it
         s.step = step
         s.consumed_samples += cfg.global_batch_size
         s.consumed_tokens += cfg.global_batch_size * seq
         self.profiler.end_step()
         return StepOutput(step, result.loss_tensor, norm, lr, seq, z_loss, action, host_values)
+
+    def _micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The step's micro-batches on this rank's device, their labelled tokens counted."""
+        s, pc = self.state, self.pc
+        micro_batches = s.data.micro_batches(step + s.data_step_offset)
+        # SFT: the loss is token-weighted over the global batch (data/token_weighting.py)
+        self.records.add_labelled(weigh_by_labelled_tokens(micro_batches, pc))
+        return [  # under context parallel, this cp rank's two chunks of each sequence
+            {k: v.to(pc.device) for k, v in split_batch(mb, pc.cp_rank, pc.cp_size).items()}
+            for mb in micro_batches
+        ]
+
+    def _check_replicas(self, step: int) -> None:
+        """general.ignore_sanity_checks: false: every dp (and expert dp) replica holds the same
+        parameters after the step, and the tied copies agree."""
+        pc = self.pc
+        with self.grads.full_parameters():
+            dense = [(n, p) for n, p in self.named_params if not is_expert_param(p)]
+            check_dp_replicas(dense, pc.dp_cp_group, pc.dp_cp_size, step)
+            experts = [(n, p) for n, p in self.named_params if is_expert_param(p)]
+            check_dp_replicas(experts, pc.edp_cp_group, pc.edp_cp_size, step)  # same ep
+            if not self.tied.copies_equal():
+                raise SanityCheckError(f"step {step}: tied parameter copies disagree")
 
     def _detail(self, step: int) -> bool:
         """A step with per-layer statistics (metrics_logging): it is also a logged step."""
@@ -263,108 +274,6 @@ class Trainer:
         collective over pp and dp for the loss: every rank calls it for the same steps).
         Under the `stop` policy a non-finite loss or norm stops the run here."""
         return self.records.record(out, seconds_per_step, self.state.consumed_tokens)
-
-    def train(
-        self,
-        on_record: Callable[[dict[str, Any]], None] | None = None,
-        every_step: bool = False,
-    ) -> dict | None:
-        """Run until tokens.train_steps. Every iteration_step_info_interval steps (and at a
-        non-finite step) a record is made on every rank, logged (rank 0) and passed to
-        `on_record`; returns the last one. Nothing accumulates over the run (except the records
-        of general.benchmark_csv_path, when set, for its summary row). `every_step` (tests,
-        tools) makes a record of every step for `on_record`, logging only the usual ones: it
-        reads the loss and norm every step."""
-        csv_path = self.cfg.general.benchmark_csv_path
-        bench_records: list[dict[str, Any]] | None = [] if csv_path else None
-        last: dict[str, Any] | None = None
-        try:
-            self._saved(self.checkpoints.save_initial())  # checkpoints.save_initial_state
-            timer = StepTimer(self.pc.device)
-            while self.state.step < self.cfg.tokens.train_steps:
-                out = self.train_step()
-                timer.count()
-                record = self._record_if_due(out, timer, every_step, on_record, bench_records)
-                last = record if record is not None else last
-                self.telemetry.after_step(out.step)  # rank stats, timeline: collective
-                if out.action == "rollback":
-                    self.fault.rolled_back(self.state.step, self.checkpoints.rollback(), self.pc)
-                    continue
-                if self.fault.spike_recovery.due():  # loss_spike_policy: rollback
-                    self._saved(self.fault.spike_recovery.act(self))
-                    continue
-                stop, saved = self._save_if_due()
-                if stop:
-                    break
-                if saved:
-                    timer.restart()
-            self._saved(self.checkpoints.wait())
-        except BaseException as exc:  # the dashboard shows the run as failed, with the error
-            self.telemetry.on_failure(exc)  # a non-finite stop is also an event
-            if self.logger is not None:
-                self.logger.fail(exc)
-            raise
-        finally:
-            self.close()
-            if not self.report_end_later:
-                self.report_end()
-        if csv_path and self.pc.rank == 0 and bench_records:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.pc.world_size))
-            append_row(csv_path, benchmark_row(self.cfg, bench_records, self.pc.world_size, local))
-        return last
-
-    def _record_if_due(self, out: StepOutput, timer: StepTimer, every_step: bool, on_record,
-                       bench_records: list | None) -> dict[str, Any] | None:  # fmt: skip
-        """The record of a logged step (interval, non-finite, evaluation), or of any step with
-        `every_step`: evaluated when due, logged (rank 0), passed to `on_record`, kept for the
-        benchmark row. None on a step without a record."""
-        # not a step about to be rolled back; collective: every rank evaluates
-        due = self.evaluator and self.evaluator.due(out.step, self.cfg.tokens.train_steps)
-        evaluate = due and out.action != "rollback"
-        interval = self.cfg.logging.iteration_step_info_interval
-        logged = out.step % interval == 0 or out.action != "ok" or evaluate
-        logged = logged or self._detail(out.step)
-        if not (logged or every_step):
-            return None
-        record = self.step_record(out, timer.seconds_per_step())
-        self.fault.spike_recovery.plan(record, self)  # a loss spike: roll back after logging
-        if evaluate:
-            record.update(self.evaluator.evaluate().metrics())
-        if self.logger is not None and logged:  # + events and system/* metrics
-            self.logger.log(self.telemetry.on_record(record))
-        if on_record is not None:
-            on_record(record)
-        if bench_records is not None and logged:
-            bench_records.append(record)
-        timer.restart()  # time steps, not logging
-        return record
-
-    def _save_if_due(self) -> tuple[bool, list]:
-        """Save when due, at once when preempted (then wait for it and stop); samples when a
-        save began. Returns (stop, the saves that finished)."""
-        # After the last step a stop changes nothing (the loop ends, the last step is saved),
-        # and the rank hosting the store may already have left: no store lookup then.
-        final = self.state.step >= self.cfg.tokens.train_steps
-        stop = not final and self.fault.preemption.stop_now(self.state.step)
-        before = self.checkpoints.last_saved
-        saved = self.checkpoints.after_step(force=stop)
-        self._saved(saved)
-        if self.samples is not None and self.checkpoints.last_saved != before:
-            self.samples.make(self.state.step, self.logger)  # a save began: samples
-        if stop:
-            self._saved(self.checkpoints.wait())
-            if self.logger is not None:
-                self.telemetry.preempted(self.state.step, self.fault, self.last_saved)
-                self.logger.end_status = "preempted"
-        return stop, saved
-
-    def _saved(self, folders) -> None:
-        for folder in folders:
-            self.last_saved = int(folder.name)
-            if self.logger is not None:
-                self.logger.checkpoint(folder)
-            if self.downstream is not None:  # evaluation.mode: in_process; collective
-                self.downstream.after_save(folder, self.logger, self.telemetry.events)
 
     def _resumed_run_id(self) -> str | None:
         """`--resume auto` continues the run it resumes (a restarted attempt, not a new run)."""
