@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import nanotron_parallel.tensor_parallel.cpu_gemm as cpu_gemm
 from nanotron_parallel.grid import ParallelConfigError
-from nanotron_parallel.tensor_parallel import cpu_gemm
 from nanotron_parallel.tensor_parallel.functional import all_reduce_
 from nanotron_parallel.tensor_parallel.weight_grad import defer, fuses_accumulation
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from nanotron_parallel.tensor_parallel import cpu_gemm
+import nanotron_parallel.tensor_parallel.cpu_gemm as cpu_gemm
 
 Job = tuple[Sequence[torch.Tensor], Callable[[], Sequence[torch.Tensor | None]]]
 
