@@ -131,31 +131,41 @@ def test_a_change_of_template_tokenizer_or_data_builds_again(tmp_path, monkeypat
     assert len(_folders(tmp_path / "cache")) == 7  # the template's, 2 tokenizers', 4 others
 
 
-def test_one_rank_builds_while_the_others_wait(tmp_path, builds):
-    """The builder rank posts its outcome through the store (data/source.py's BuilderBarrier);
-    a waiting rank reads the same rows, or fails at once with the builder's error."""
+def test_one_rank_builds_while_the_others_wait(tmp_path, builds, monkeypatch):
+    """The builder rank posts the key and its outcome through the store (data/source.py's
+    BuilderBarrier): only it reads the data files; a waiting rank reads the same rows, or
+    fails at once with the builder's error."""
     import torch.distributed as dist
 
+    from nanotron_train.data import sft_cache
     from nanotron_train.data.errors import DataError
     from nanotron_train.data.sft import packed_rows
     from nanotron_train.data.sft_cache import SFTCache
     from nanotron_train.data.source import BuilderBarrier
     from nanotron_train.data.stages import DatasetSpec
 
-    def both_ranks(template: str | None) -> list:
+    hashed: list[str] = []  # the thread (rank) of each hash of a data file, for the key
+    real_sha256 = sft_cache.file_sha256
+    monkeypatch.setattr(
+        sft_cache, "file_sha256",
+        lambda f: hashed.append(threading.current_thread().name) or real_sha256(f),
+    )  # fmt: skip
+
+    def both_ranks(template: str | None, data: Path = DATA / "chat.jsonl") -> list:
         store = dist.HashStore()
-        spec = DatasetSpec(hf_dataset_or_datasets=str(DATA / "chat.jsonl"), sft_dataloader=True,
+        spec = DatasetSpec(hf_dataset_or_datasets=str(data), sft_dataloader=True,
                            debug_max_samples=8, chat_template=template)  # fmt: skip
         out: list = [None, None]
 
         def rank(r: int) -> None:
-            cache = SFTCache(str(tmp_path / "cache"), r == 0, BuilderBarrier(r == 0, store))
+            barrier = BuilderBarrier(r == 0, store)
+            cache = SFTCache(str(tmp_path / "cache"), r == 0, barrier, share=barrier.share)
             try:
                 out[r] = packed_rows(spec, "t", 128, str(DATA / "tokenizer"), 320, True, cache)
             except DataError as exc:
                 out[r] = exc
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]  # waiter first
+        threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (1, 0)]
         for t in threads:
             t.start()
         for t in threads:
@@ -164,7 +174,11 @@ def test_one_rank_builds_while_the_others_wait(tmp_path, builds):
 
     builder, waiter = both_ranks(None)
     assert builds == ["t"]  # one rank tokenized
+    assert hashed == ["rank0"]  # and one rank read the data file for the key
     assert all(np.array_equal(builder[k], waiter[k]) for k in builder)
+    builder, waiter = both_ranks(None, tmp_path / "missing.jsonl")  # the key fails
+    assert str(builder) == f"{tmp_path / 'missing.jsonl'}: no such file or folder"
+    assert str(waiter) == f"the rank building the data cache failed: {builder}"
     builder, waiter = both_ranks("{{ raise_exception('no system turns') }}")
     assert isinstance(builder, DataError) and isinstance(waiter, DataError)
     assert str(waiter).startswith("the rank building the SFT data cache")

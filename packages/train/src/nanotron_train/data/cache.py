@@ -94,10 +94,15 @@ def cached_nanoset(
     return folder
 
 
+def failure_text(exc: Exception) -> str:
+    """The builder's failure as the waiting ranks say it (a DataError is already a sentence)."""
+    return str(exc) if isinstance(exc, DataError) else f"{type(exc).__name__}: {exc}"
+
+
 def post_failure(barrier: Callable[[str | None], str | None] | None, exc: Exception) -> None:
     """The builder's failure posted on `barrier`: the others stop waiting and fail with it."""
     if barrier is not None:
-        barrier(str(exc) if isinstance(exc, DataError) else f"{type(exc).__name__}: {exc}")
+        barrier(failure_text(exc))
 
 
 def await_builder(

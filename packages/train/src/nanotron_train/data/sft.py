@@ -155,9 +155,13 @@ def packed_rows(
         top, labelled = int(rows["input_ids"].max(initial=0)), int(rows["label_mask"].sum())
         source = "tokenized"
     else:
-        files = example_files(str(spec.hf_dataset_or_datasets))
-        key = sft_cache_key(files, tokenizer.sha256, template, spec.debug_max_samples,
-                            sequence_length, document_masking)  # fmt: skip
+
+        def compute_key() -> str:
+            files = example_files(str(spec.hf_dataset_or_datasets))
+            return sft_cache_key(files, tokenizer.sha256, template, spec.debug_max_samples,
+                                 sequence_length, document_masking)  # fmt: skip
+
+        key = cache.key(compute_key)  # hashed by the builder, shared with the other ranks
         rows, meta, built = cached_rows(cache, key, build)
         # sft.json's figures: no pass over the memory-mapped arrays for them
         examples, top, labelled = meta["examples"], meta["max_token_id"], meta["labelled_tokens"]

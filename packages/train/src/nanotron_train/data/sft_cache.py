@@ -9,11 +9,14 @@ source of the modules that build the rows (an edit of the rendering or packing c
 again, instead of serving rows the code no longer makes). Data copied elsewhere reuses its
 cache; any change builds under a new key.
 
-The builder rank writes the arrays (one .npy each) and ``sft.json`` into a hidden temporary
-folder renamed into place at the end; with `dataset_overwrite_cache` the old folder of the same
-key is moved aside only then and removed, so one key never leaves two folders. The other ranks
-wait on the barrier, as for the token cache, and every rank memory-maps the finished arrays
-(one copy in the page cache, however many ranks a node runs).
+The builder rank computes the key (reading every data file) and shares it through the store:
+the other ranks read no data file. It writes the arrays (one .npy each) and ``sft.json`` into
+a hidden temporary folder renamed into place at the end; with `dataset_overwrite_cache` the
+old folder of the same key is moved aside only then and removed, so one key never leaves two
+folders. The other ranks wait on the barrier, as for the token cache, and every rank
+memory-maps the finished arrays (one copy in the page cache, however many ranks a node runs).
+Sharing the key also means every rank maps the builder's rows, even were its own view of the
+files different.
 """
 
 from __future__ import annotations
@@ -50,12 +53,18 @@ def builders_sha256() -> str:
 
 @dataclass(frozen=True)
 class SFTCache:
-    """Where SFT rows are cached and who builds them (`barrier`: cache.py's BuilderBarrier)."""
+    """Where SFT rows are cached and who builds them (`barrier`: source.py's BuilderBarrier;
+    `share`: its share, the key computed by the builder alone; without one, by each rank)."""
 
     cache_dir: str
     is_builder: bool = True
     barrier: Callable[[str | None], str | None] | None = None
     overwrite: bool = False  # dataset_overwrite_cache: build again even when cached
+    share: Callable[[Callable[[], str]], str] | None = None
+
+    def key(self, compute: Callable[[], str]) -> str:
+        """The rows' key: `compute()` on the builder, shared with the others when it can be."""
+        return compute() if self.share is None else self.share(compute)
 
 
 def sft_cache_key(

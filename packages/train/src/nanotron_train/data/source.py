@@ -20,6 +20,8 @@ from nanotron_train.config.schema import (
     ValidationArgs,
 )
 from nanotron_train.data import StageSpec, TrainData, load_tokenizer
+from nanotron_train.data.cache import failure_text
+from nanotron_train.data.errors import DataError
 from nanotron_train.data.synthetic import SyntheticData
 
 
@@ -173,14 +175,17 @@ def _cache_dir() -> str:
 
 
 def _sft_cache(spec, pc) -> Any:
-    """Where SFT rows are cached; global rank 0 builds them, the others wait (sft_cache.py)."""
+    """Where SFT rows are cached; global rank 0 computes their key and builds them, the others
+    read the key and wait (sft_cache.py)."""
     from nanotron_train.data.sft_cache import SFTCache
 
+    barrier = BuilderBarrier(pc.rank == 0, _barrier_store(pc))
     return SFTCache(
         _cache_dir(),
         is_builder=pc.rank == 0,
-        barrier=BuilderBarrier(pc.rank == 0, _barrier_store(pc)),
+        barrier=barrier,
         overwrite=spec.dataset_overwrite_cache,
+        share=barrier.share,
     )
 
 
@@ -256,6 +261,7 @@ class BuilderBarrier:
     def __init__(self, is_builder: bool, store=None) -> None:
         self.is_builder, self.store = is_builder, store
         self.calls = 0
+        self.shared = 0
 
     def __call__(self, error: str | None) -> str | None:
         if self.store is None:
@@ -265,9 +271,33 @@ class BuilderBarrier:
         if self.is_builder:
             self.store.set(key, json.dumps({"error": error}))
             return error
+        return self._wait(key)["error"]
+
+    def share(self, compute: Callable[[], str]) -> str:
+        """`compute()` run by the builder and posted; the others read its value instead of
+        computing it (an SFT cache key hashes every data file: read by one rank, not all) or
+        fail at once with the builder's error. Without a store: computed here."""
+        if self.store is None:
+            return compute()
+        self.shared += 1  # as calls: every rank shares once per cached dataset
+        key = f"shared{self.shared}"
+        if self.is_builder:
+            try:
+                value = compute()
+            except Exception as exc:
+                self.store.set(key, json.dumps({"error": failure_text(exc)}))
+                raise
+            self.store.set(key, json.dumps({"value": value}))
+            return value
+        got = self._wait(key)
+        if "error" in got:
+            raise DataError(f"the rank building the data cache failed: {got['error']}")
+        return got["value"]
+
+    def _wait(self, key: str) -> dict:
         while not self.store.check([key]):
             time.sleep(self.POLL_S)
-        return json.loads(self.store.get(key))["error"]
+        return json.loads(self.store.get(key))
 
 
 def _eod_mask_loss(val: ValidationArgs, stages: list[DatasetStageArgs]) -> bool:
