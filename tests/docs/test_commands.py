@@ -72,7 +72,8 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"NODE0_HOSTNAME", "needs several machines"),
     (
         r"nt-checkpoints|--resume ckpt$",
-        "needs a Nanotron checkpoint: tests/train/test_nanotron_data.py converts and resumes one",
+        "needs a Nanotron checkpoint: tests/train/test_nanotron_checkpoint_import.py converts "
+        "and resumes one",
     ),
     (
         r"^\.venv/bin/python bench/|^\S+/\.venv/bin/python bench/",

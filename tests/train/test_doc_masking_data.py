@@ -10,7 +10,7 @@ import torch
 from nanotron_train.data import StageSpec, TrainData
 from nanotron_train.data.stages import DatasetSpec
 from nanotron_train.data.synthetic import SyntheticData
-from tests.train.test_nanotron_data import write_datatrove
+from tests.train.datatrove_writer import write_datatrove
 
 SEQ = 16
 
