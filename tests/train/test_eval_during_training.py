@@ -18,66 +18,26 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanotron_train.config import ConfigError, config_from_dict
+from tests.train.lm_eval_tasks import mc_yaml, offline_workspace, ppl_yaml, task_yaml
 
 pytest.importorskip("lm_eval")
 
 VOCAB = 300
-MC_YAML = """\
-task: dt_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/mc.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-metadata:
-  version: 1
-"""
-PPL_YAML = """\
-task: dt_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/ppl.jsonl
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-metadata:
-  version: 1
-"""
 
-# a generation task asking for beam search, which the adapter refuses: an exception inside
-# the harness's run
-BAD_YAML = """\
-task: dt_beams
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/mc.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{label}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  num_beams: 2
-metric_list:
-  - metric: exact_match
-metadata:
-  version: 1
-"""
+
+def _beams_yaml(data: Path) -> str:
+    """A generation task asking for beam search, which the adapter refuses: an exception inside
+    the harness's run."""
+    fields = (
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_target: "{{label}}"\n'
+        "generation_kwargs:\n"
+        '  until: ["\\n"]\n'
+        "  num_beams: 2\n"
+    )
+    return task_yaml("dt_beams", data / "mc.jsonl", "generate_until", fields, ["exact_match"])
 
 
 def _tasks(root: Path) -> Path:
@@ -92,9 +52,9 @@ def _tasks(root: Path) -> Path:
     ppl = [{"text": t} for t in tiny_texts(3, seed=4, words=20)]
     (data / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mc))
     (data / "ppl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ppl))
-    (tasks / "dt_mc.yaml").write_text(MC_YAML.format(data=data))
-    (tasks / "dt_ppl.yaml").write_text(PPL_YAML.format(data=data))
-    (tasks / "dt_beams.yaml").write_text(BAD_YAML.format(data=data))
+    (tasks / "dt_mc.yaml").write_text(mc_yaml("dt_mc", data))
+    (tasks / "dt_ppl.yaml").write_text(ppl_yaml("dt_ppl", data, ["word_perplexity"]))
+    (tasks / "dt_beams.yaml").write_text(_beams_yaml(data))
     return tasks
 
 
@@ -127,13 +87,7 @@ def _train(raw: dict) -> tuple[list[float], str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    from nanotron_train.data.testing import make_tokenizer, tiny_texts
-
-    torch.set_num_threads(1)
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ[name] = "1"
-    root = tmp_path_factory.mktemp("evaltrain")
-    tok = make_tokenizer(root / "tok", tiny_texts(40), vocab_size=VOCAB)
+    root, tok = offline_workspace(tmp_path_factory, "evaltrain", 40, VOCAB)
     tasks = _tasks(root)
     ev = {"tasks": ["dt_mc", "dt_ppl"], "include_path": [str(tasks)], "bootstrap_iters": 0}
     out = {"root": root, "tasks": tasks}

@@ -13,7 +13,6 @@ windows) and generation with stop sequences (generate_until). Then the same at t
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from nanotron_parallel.testing import run_distributed
+from tests.train.lm_eval_tasks import mc_yaml, offline_workspace, ppl_yaml, task_yaml
 
 pytest.importorskip("lm_eval")
 
@@ -28,60 +28,20 @@ VOCAB = 300
 FAMILIES = ("llama", "qwen2", "qwen2_moe")
 TASKS = "nt_mc,nt_ppl,nt_gen,nt_gen_nostop"
 STOPS = ["s", "\n"]
+PPL_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 
-MC_YAML = """\
-task: nt_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/mc.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-metadata:
-  version: 1
-"""
-PPL_YAML = """\
-task: nt_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/ppl.jsonl
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1
-"""
-GEN_YAML = """\
-task: nt_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/gen.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}} ="
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: {stops}
-  max_gen_toks: 8
-  do_sample: false
-metric_list:
-  - metric: exact_match
-metadata:
-  version: 1
-"""
+
+def _gen_yaml(task: str, data: Path, stops: list[str]) -> str:
+    """Generation (generate_until requests) over data/gen.jsonl, stopping at `stops` or EOS."""
+    fields = (
+        'doc_to_text: "{{question}} ="\n'
+        'doc_to_target: "{{answer}}"\n'
+        "generation_kwargs:\n"
+        f"  until: {json.dumps(stops)}\n"
+        "  max_gen_toks: 8\n"
+        "  do_sample: false\n"
+    )
+    return task_yaml(task, data / "gen.jsonl", "generate_until", fields, ["exact_match"])
 
 
 def _write_tasks(root: Path) -> Path:
@@ -105,11 +65,10 @@ def _write_tasks(root: Path) -> Path:
     gen = [{"question": phrase(rng.randint(2, 6)), "answer": phrase(1)} for _ in range(8)]
     for name, rows in (("mc", mc), ("ppl", ppl), ("gen", gen)):
         (data / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (tasks / "nt_mc.yaml").write_text(MC_YAML.format(data=data))
-    (tasks / "nt_ppl.yaml").write_text(PPL_YAML.format(data=data))
-    (tasks / "nt_gen.yaml").write_text(GEN_YAML.format(data=data, stops=json.dumps(STOPS)))
-    nostop = GEN_YAML.format(data=data, stops="[]").replace("task: nt_gen", "task: nt_gen_nostop")
-    (tasks / "nt_gen_nostop.yaml").write_text(nostop)  # stops at EOS only
+    (tasks / "nt_mc.yaml").write_text(mc_yaml("nt_mc", data))
+    (tasks / "nt_ppl.yaml").write_text(ppl_yaml("nt_ppl", data, PPL_METRICS))
+    (tasks / "nt_gen.yaml").write_text(_gen_yaml("nt_gen", data, STOPS))
+    (tasks / "nt_gen_nostop.yaml").write_text(_gen_yaml("nt_gen_nostop", data, []))  # EOS only
     return tasks
 
 
@@ -158,13 +117,8 @@ def _random_hf_folder(kind: str, tok: Path, out: Path) -> Path:
 def setup(tmp_path_factory) -> dict:
     """The tokenizer, the tasks, and per family our checkpoint and its transformers export."""
     from nanotron_train.convert import main as convert_main
-    from nanotron_train.data.testing import make_tokenizer, tiny_texts
 
-    torch.set_num_threads(1)
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ[name] = "1"
-    root = tmp_path_factory.mktemp("harness")
-    tok = make_tokenizer(root / "tok", tiny_texts(60), vocab_size=VOCAB)
+    root, tok = offline_workspace(tmp_path_factory, "harness", 60, VOCAB)
     models = {}
     for kind in FAMILIES:
         hf = _random_hf_folder(kind, tok, root / f"{kind}-hf")
