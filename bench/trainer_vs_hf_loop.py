@@ -20,7 +20,7 @@ per-step time of each loop is everything but matmul and attention.
 
     .venv/bin/python bench/trainer_vs_hf_loop.py [--runs 3] [--steps 10] [--threads 2]
         [--hidden 256 --ffn 688 --layers 4 --vocab 512 --seq 256 --mbs 4 --accum 2]
-    .venv/bin/python bench/trainer_vs_hf_loop.py --paired --steps 30 [--profiled 4]
+    .venv/bin/python bench/trainer_vs_hf_loop.py --paired --steps 30 [--profiled 4] [--blas]
 
 With tiny dimensions (`--hidden 64 --ffn 128 --seq 16 --mbs 1`) the step is almost all
 per-step and per-parameter fixed cost: the two loops' fixed costs compare directly.
@@ -114,7 +114,9 @@ def run_paired(args) -> dict:
     `--profiled` steps of each under torch.profiler, alternated the same way, split as
     bench/roofline.py splits a step."""
     from nanotron_parallel.context import ParallelContext
+    from nanotron_parallel.tensor_parallel import cpu_gemm
 
+    cpu_gemm.enabled = cpu_gemm.enabled and not args.blas
     torch.set_num_threads(args.threads)
     pc = ParallelContext()
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,6 +172,9 @@ def main() -> None:
     ap.add_argument("--paired", action="store_true",
                     help="both loops in one process, a step of each in turn, and their "
                          "profiled split side by side")  # fmt: skip
+    ap.add_argument("--blas", action="store_true",
+                    help="with --paired: our linears' GEMMs through torch's BLAS, as before "
+                         "tensor_parallel/cpu_gemm.py")  # fmt: skip
     args = ap.parse_args()
     print(f"hidden {args.hidden}, ffn {args.ffn}, {args.layers} layers, heads "
           f"{args.heads}/{args.kv}, vocab {args.vocab}, seq {args.seq}, micro-batch {args.mbs} "
