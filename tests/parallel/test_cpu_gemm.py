@@ -41,6 +41,10 @@ def test_linear_and_input_grad_values(bias):
     assert _rel(cpu_gemm.linear(x, w, b), F.linear(x, w, b)) < 1e-6
     assert _onednn_calls(lambda: cpu_gemm.input_grad(dy, w)) == 1
     assert _rel(cpu_gemm.input_grad(dy, w), dy.matmul(w)) < 1e-6
+    out = torch.empty(64, 96)
+    flat = dy.reshape(-1, 80)[:64]
+    assert cpu_gemm.input_grad(flat, w, out=out) is out
+    assert _rel(out, flat @ w) < 1e-6
     xt = torch.randn(96, 64, generator=g).t()  # a transposed (non-contiguous) input
     assert _rel(cpu_gemm.linear(xt, w), F.linear(xt, w)) < 1e-6
 
@@ -54,6 +58,10 @@ def test_plain_op_elsewhere():
     empty = torch.empty(0, 16)
     assert cpu_gemm.linear(empty, w).shape == (0, 8)
     assert cpu_gemm.input_grad(torch.empty(0, 8), w).shape == (0, 16)
+    out16 = torch.empty(4, 16, dtype=torch.bfloat16)
+    g16 = torch.randn(4, 8, generator=g).bfloat16()
+    assert cpu_gemm.input_grad(g16, w.bfloat16(), out=out16) is out16  # torch.mm(out=)
+    assert torch.equal(out16, g16 @ w.bfloat16())
     x = torch.randn(4, 16, generator=g)
     cpu_gemm.enabled = False
     try:

@@ -50,8 +50,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def input_grad(grad_y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """grad_y @ weight: a linear's input gradient, grad_y [..., out], weight [out, in]."""
+def input_grad(
+    grad_y: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """grad_y @ weight: a linear's input gradient, grad_y [..., out], weight [out, in]; with
+    `out` (2-D grad_y), written there: in place by the plain op, copied from oneDNN's result
+    (the op has no out= form)."""
     if _use_onednn(grad_y, weight):
-        return _ONEDNN_LINEAR(grad_y, weight.t(), None, "none", [], "")
+        result = _ONEDNN_LINEAR(grad_y, weight.t(), None, "none", [], "")
+        return result if out is None else out.copy_(result)
+    if out is not None:
+        return torch.mm(grad_y, weight, out=out)
     return grad_y.matmul(weight)

@@ -79,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits.mul_(scale.unsqueeze(-1))
             logits.scatter_add_(-1, local, (-(w * mine)).unsqueeze(-1))
             g = logits.to(weight.dtype)
-            grad_hidden[r0 : r0 + rows] = cpu_gemm.input_grad(g, weight)
+            cpu_gemm.input_grad(g, weight, out=grad_hidden[r0 : r0 + rows])
             if grad_weight is None:
                 grad_weight = torch.mm(g.t(), h).float()
             elif weight.dtype == torch.float32:
