@@ -116,7 +116,7 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
                 buffers = {b.grad.numel() for b in trainer.grads.buckets if len(b.params) > 1}
                 on_host = all(st["step"].device.type == "cpu" for st in inner.state.values())
                 unfused = _params_through_autograd(trainer)
-                linears = _fused_linears(trainer)
+                linears = len(_fused_linears(trainer))
                 trainer.close()
             finally:
                 dist.barrier()
@@ -163,25 +163,20 @@ def count_step_syncs(layouts: list[dict]) -> list[dict]:
     return out
 
 
-def _fused_linears(trainer) -> int:
+def _fused_linears(trainer) -> list:
+    """The linears that accumulate their own weight gradient (gradient-accumulation fusion)."""
     from nanotron_parallel.tensor_parallel.layers import _TPLinearBase
 
-    return sum(
-        isinstance(m, _TPLinearBase) and m.fuse_grad_accumulation
+    return [
+        m
         for m in trainer.state.model.modules()
-    )
+        if isinstance(m, _TPLinearBase) and m.fuse_grad_accumulation
+    ]
 
 
 def _params_through_autograd(trainer) -> int:
-    """Parameters whose gradient autograd accumulates: all but the weights of the linears
-    that accumulate their own (gradient-accumulation fusion)."""
-    from nanotron_parallel.tensor_parallel.layers import _TPLinearBase
-
-    fused = {
-        id(m.weight)
-        for m in trainer.state.model.modules()
-        if isinstance(m, _TPLinearBase) and m.fuse_grad_accumulation
-    }
+    """Parameters whose gradient autograd accumulates: all but the fused linears' weights."""
+    fused = {id(m.weight) for m in _fused_linears(trainer)}
     return sum(id(p) not in fused for _, p in trainer.named_params)
 
 
